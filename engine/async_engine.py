@@ -1,0 +1,162 @@
+"""The asyncio face of the engine: the engine loop runs on its own thread.
+
+Servers call ``generate``/``prefill``/``decode`` from their event loop. A request is
+validated there (bad input raises ValueError at once), handed to the engine thread
+through a queue, and its outputs come back through an ``asyncio.Queue`` fed with
+``call_soon_threadsafe``: the event loop never waits on the model. Leaving a stream early
+(the client went away, the task was cancelled) aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import PrefillResult, RequestOutput
+from engine.request import PRIORITY_MAX, PRIORITY_MIN, GenerationRequest, Mode
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running this request (not the request's fault)."""
+
+
+@dataclass
+class EngineStats:
+    blocks_total: int
+    blocks_used: int
+    waiting_by_priority: dict[int, int]
+    running: int
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._stats = self._snapshot()
+        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the server's side -------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; the last one has ``finished=True``."""
+        async for output in self._submit(request, Mode.GENERATE, None):
+            yield output
+
+    async def prefill(self, request: GenerationRequest) -> RequestOutput:
+        """Run the prompt; the output carries ``prefill`` (go on to decode) or is ``finished``."""
+        async for output in self._submit(request, Mode.PREFILL, None):
+            return output
+        raise EngineError("prefill ended without an output")
+
+    async def decode(self, request: GenerationRequest, prefill: PrefillResult) -> AsyncIterator[RequestOutput]:
+        """Import P's KV and stream the tokens after the first."""
+        async for output in self._submit(request, Mode.DECODE, prefill):
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        """Queue and KV-block counts as of the last engine step (for metrics and health)."""
+        return self._stats
+
+    def _snapshot(self) -> EngineStats:
+        scheduler, blocks = self.engine.scheduler, self.engine.blocks
+        waiting = {p: 0 for p in range(PRIORITY_MIN, PRIORITY_MAX + 1)}
+        for seq in scheduler.waiting:
+            waiting[seq.priority] += 1
+        return EngineStats(blocks.num_blocks, blocks.num_used, waiting, len(scheduler.running))
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    async def _submit(self, request: GenerationRequest, mode: Mode,
+                      prefill: PrefillResult | None) -> AsyncIterator[RequestOutput]:
+        self.engine.validate(request, mode, prefill)
+        outputs: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request.request_id in self._streams:
+                raise ValueError(f"request_id: {request.request_id!r} is already running")
+            self._streams[request.request_id] = (asyncio.get_running_loop(), outputs)
+        self._commands.put(("add", request, mode, prefill))
+        self._wake.set()
+        done = False
+        try:
+            while not done:
+                output = await outputs.get()
+                if isinstance(output, Exception):
+                    done = True
+                    raise output
+                done = output.finished or output.prefill is not None
+                yield output
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            if not done:
+                self.abort(request.request_id)
+
+    # ---- the engine thread -------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            if not self.engine.has_work() and self._commands.empty():
+                self._wake.wait()
+            self._wake.clear()
+            self._drain_commands()
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # keep serving: fail the running requests, not the server
+                logger.exception("engine step failed")
+                self._fail_all(error)
+                continue
+            self._stats = self._snapshot()
+            for output in outputs:
+                self._deliver(output.request_id, output)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request, mode, prefill = command
+                try:
+                    self.engine.add_request(request, mode, prefill)
+                except Exception as error:
+                    self._deliver(request.request_id, error)
+            else:
+                output = self.engine.abort(command[1])
+                if output is not None:
+                    self._deliver(output.request_id, output)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in self.engine.active_request_ids():
+            self.engine.abort(request_id)
+            self._deliver(request_id, EngineError(f"engine step failed: {error}"))
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, item)

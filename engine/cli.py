@@ -1,0 +1,58 @@
+"""The ``pdserve`` command: make the tiny model, or generate from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    tiny = commands.add_parser("make-tiny-model", help="write the embedded tiny-llama to DIR")
+    tiny.add_argument("directory")
+
+    gen = commands.add_parser("generate", help="generate a completion for PROMPT with the engine in-process")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="tiny-llama", help="a local model directory or tiny-llama")
+    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+
+    args = parser.parse_args(argv)
+    if args.command == "make-tiny-model":
+        from engine.tiny_model import make_tiny_model
+
+        print(make_tiny_model(args.directory))
+        return 0
+    return _generate(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import GenerationRequest
+    from sampling import SamplingParams
+
+    try:
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+        prompt_ids = engine.tokenizer.encode(args.prompt)
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+        engine.add_request(GenerationRequest("cli", prompt_ids, params))
+    except ValueError as error:
+        print(f"pdserve: {error}", file=sys.stderr)
+        return 2
+    while engine.has_work():
+        for output in engine.step():
+            print(output.new_text, end="", flush=True)
+            if output.finished:
+                print(f"\n[finish_reason={output.finish_reason} tokens={output.num_output_tokens} "
+                      f"seed={output.seed}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Engine settings: one dataclass, filled from YAML or builder arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny-llama"  # a local Hugging Face model directory, or "tiny-llama"
+    dtype: str = "float32"  # float64 exists for exact parity tests
+    device: str = "cpu"  # cpu, cuda[:N] or npu[:N]
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV pool size; None: from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 0.5
+    max_num_seqs: int = 256  # requests in one step at most
+    max_num_batched_tokens: int = 2048  # tokens in one step at most (prefill chunks + decodes)
+    max_model_len: int | None = None  # prompt + output; None: the model's max_position_embeddings
+    max_iter_times: int = 1024  # server cap on generated tokens per request (MindIE's maxIterTimes)
+    default_timeout_s: float = 600.0  # deadline for requests that bring none
+    top_k_guess: int = 32  # candidates tried first for top-p (the Ascend operator's topKGuess)
+    torch_threads: int | None = None  # intra-op threads for this engine; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_iter_times"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks: must be >= 1")
+        if self.default_timeout_s <= 0:
+            raise ValueError("default_timeout_s: must be > 0")

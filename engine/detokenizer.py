@@ -1,0 +1,72 @@
+"""Incremental detokenization with stop strings.
+
+Each new token extends the text by the difference between decoding a short window of
+recent tokens with and without it (vLLM's prefix/read offsets), so a step costs O(window),
+not O(length). A piece is released only when it does not end in U+FFFD, i.e. when no
+multi-byte character is still incomplete. When the request finishes, the tail is
+reconciled with one full ``decode``, so the released pieces concatenate to exactly
+``tokenizer.decode(output_ids)`` (cut before a stop string when one matched).
+
+While stop strings are set, the last ``len(longest stop) - 1`` characters are held back:
+they might be the start of a stop string, which must never reach the client.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""  # everything decoded so far (possibly past what was released)
+        self.released = 0  # characters of ``text`` already handed out
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.stopped = False  # a stop string matched: the text ends before it, for good
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Add one token; return (the newly released text, whether a stop string matched)."""
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self._prefix_offset:self._read_offset])
+        after = self._decode(self.ids[self._prefix_offset:])
+        if len(after) > len(before) and not after.endswith(REPLACEMENT_CHAR):
+            self.text += after[len(before):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        if self._cut_at_stop():
+            self.stopped = True
+            return self._release(len(self.text)), True
+        return self._release(len(self.text) - self.hold_back), False
+
+    def finish(self) -> str:
+        """Reconcile with a full decode (unless a stop string cut the text) and release the rest."""
+        if not self.stopped:
+            full = self._decode(self.ids)
+            if full.startswith(self.text[: self.released]):
+                self.text = full
+                self.stopped = self._cut_at_stop()
+        return self._release(len(self.text))
+
+    def _cut_at_stop(self) -> bool:
+        # Only text not yet released can hold a new match; stop strings may straddle the boundary.
+        start = max(0, self.released - self.hold_back)
+        cuts = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if not cuts:
+            return False
+        self.text = self.text[: min(cuts)]
+        return True
+
+    def _release(self, end: int) -> str:
+        end = max(end, self.released)
+        piece = self.text[self.released:end]
+        self.released = end
+        return piece

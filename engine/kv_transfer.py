@@ -1,0 +1,59 @@
+"""The KV that travels from P to D: one contiguous numpy buffer and the metadata D checks.
+
+numpy, not torch: Ray's object store hands numpy arrays to readers without a copy, while a
+torch tensor is pickled. numpy has no bfloat16, so bf16 travels as an int16 view of the
+same bytes and is viewed back on import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class KVMeta:
+    model_id: str  # fingerprint of the model's config and weights (engine/loader.py)
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_tokens: int
+
+
+@dataclass
+class KVPayload:
+    meta: KVMeta
+    data: np.ndarray  # [layers, 2 (k, v), tokens, kv_heads, head_dim]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+class KVMismatchError(ValueError):
+    """Imported KV does not fit this engine's model; the message names the field."""
+
+
+def tensor_to_numpy(kv: torch.Tensor) -> np.ndarray:
+    """[L, 2, T, H, D] tensor (any device) as a numpy array, bf16 as int16 bits."""
+    kv = kv.detach().to("cpu").contiguous()
+    if kv.dtype == torch.bfloat16:
+        return kv.view(torch.int16).numpy()
+    return kv.numpy()
+
+
+def numpy_to_tensor(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(data))
+    return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
+
+
+def check_compatible(meta: KVMeta, expected: KVMeta, num_prompt_tokens: int) -> None:
+    """Raise KVMismatchError naming the first field where ``meta`` differs from this engine."""
+    for name, value in asdict(expected).items():
+        if name != "num_tokens" and getattr(meta, name) != value:
+            raise KVMismatchError(f"kv.{name}: got {getattr(meta, name)!r}, this engine has {value!r}")
+    if meta.num_tokens != num_prompt_tokens:
+        raise KVMismatchError(f"kv.num_tokens: got {meta.num_tokens}, the prompt has {num_prompt_tokens} tokens")

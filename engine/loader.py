@@ -1,0 +1,196 @@
+"""Model loading: a Hugging Face causal-LM directory -> DecoderModel, tokenizer, metadata.
+
+Reads config.json through AutoConfig, the tokenizer through AutoTokenizer and the weights
+from *.safetensors; nothing is downloaded. "tiny-llama" names the embedded default model,
+made on first use (engine/tiny_model.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import hashlib
+import importlib
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+import torch
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.config import EngineConfig
+from engine.model import DecoderModel, ModelSpec
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+TINY_LLAMA = "tiny-llama"
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    model: DecoderModel
+    tokenizer: PreTrainedTokenizerBase
+    spec: ModelSpec
+    model_id: str  # fingerprint that P and D compare before KV moves between them
+    eos_token_ids: list[int]
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_model_dir(name: str) -> Path:
+    """A local directory, "tiny-llama", or a hub id already in the local Hugging Face cache."""
+    if name == TINY_LLAMA:
+        from engine.tiny_model import ensure_tiny_model
+
+        return ensure_tiny_model()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: {path} has no config.json; pass a Hugging Face model directory")
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:
+        raise ValueError(
+            f"model: {name!r} is neither a local directory nor in the local Hugging Face cache, and pdserve "
+            "never downloads; pass a local model directory (config.json, *.safetensors, tokenizer files) "
+            f"or {TINY_LLAMA!r}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name.startswith("npu"):
+        importlib.import_module("torch_npu")  # registers the npu device with torch
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for but torch sees no CUDA device")
+    return device
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    path = resolve_model_dir(config.model)
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    spec = model_spec(hf_config)
+    dtype, device = torch_dtype(config.dtype), resolve_device(config.device)
+    model = DecoderModel(spec)
+    model.load_state_dict(_fused_state_dict(path, spec), strict=True)
+    model.to(device=device, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
+    return LoadedModel(path, model, tokenizer, spec, model_fingerprint(path), _eos_ids(path, hf_config, tokenizer),
+                       max_model_len, dtype, device)
+
+
+def model_spec(hf_config) -> ModelSpec:
+    model_type = hf_config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model: architecture {model_type!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "dynamic":
+        raise ValueError("model: dynamic RoPE scaling depends on the sequence length and is not supported")
+    if rope_type == "default":
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    num_layers = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        windows = [window if t == "sliding_attention" else None for t in layer_types]
+    else:  # Mistral: one window, if any, for every layer
+        windows = [window] * num_layers
+    bias = bool(getattr(hf_config, "attention_bias", False))
+    return ModelSpec(
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=num_layers,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        qkv_bias=model_type == "qwen2" or bias,
+        o_bias=bias and model_type != "qwen3",
+        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        layer_windows=windows,
+        inv_freq=inv_freq.to(torch.float32),
+        rope_scaling=float(scaling),
+        max_position=hf_config.max_position_embeddings,
+    )
+
+
+def _fused_state_dict(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Read transformers' parameter names and fuse q/k/v and gate/up per layer."""
+    raw: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: {path} has no *.safetensors weights")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                raw[key.removeprefix("model.")] = f.get_tensor(key)
+    state = {"embed_tokens.weight": raw["embed_tokens.weight"], "norm.weight": raw["norm.weight"]}
+    if not spec.tie_word_embeddings:
+        state["lm_head.weight"] = raw["lm_head.weight"]
+    for i in range(spec.num_layers):
+        src, dst = f"layers.{i}.", f"layers.{i}."
+        attn, mlp = src + "self_attn.", src + "mlp."
+        state[dst + "input_norm.weight"] = raw[src + "input_layernorm.weight"]
+        state[dst + "post_norm.weight"] = raw[src + "post_attention_layernorm.weight"]
+        state[dst + "qkv_proj.weight"] = torch.cat([raw[attn + f"{p}_proj.weight"] for p in "qkv"])
+        if spec.qkv_bias:
+            state[dst + "qkv_proj.bias"] = torch.cat([raw[attn + f"{p}_proj.bias"] for p in "qkv"])
+        state[dst + "o_proj.weight"] = raw[attn + "o_proj.weight"]
+        if spec.o_bias:
+            state[dst + "o_proj.bias"] = raw[attn + "o_proj.bias"]
+        if spec.qk_norm:
+            state[dst + "q_norm.weight"] = raw[attn + "q_norm.weight"]
+            state[dst + "k_norm.weight"] = raw[attn + "k_norm.weight"]
+        state[dst + "gate_up_proj.weight"] = torch.cat([raw[mlp + "gate_proj.weight"], raw[mlp + "up_proj.weight"]])
+        state[dst + "down_proj.weight"] = raw[mlp + "down_proj.weight"]
+        if spec.mlp_bias:
+            state[dst + "gate_up_proj.bias"] = torch.cat([raw[mlp + "gate_proj.bias"], raw[mlp + "up_proj.bias"]])
+            state[dst + "down_proj.bias"] = raw[mlp + "down_proj.bias"]
+    return state
+
+
+def model_fingerprint(path: Path) -> str:
+    """sha256 over config.json and each weight file's size, head and tail (1 MiB each):
+    cheap to compute on every replica, and different for models that differ in config or weights."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            digest.update(str(size).encode())
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def _eos_ids(path: Path, hf_config, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    candidates = None
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        candidates = json.loads(gen_file.read_text()).get("eos_token_id")
+    if candidates is None:
+        candidates = getattr(hf_config, "eos_token_id", None)
+    if candidates is None:
+        candidates = tokenizer.eos_token_id
+    if candidates is None:
+        return []
+    return list(candidates) if isinstance(candidates, (list, tuple)) else [candidates]

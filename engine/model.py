@@ -1,0 +1,129 @@
+"""A Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) that runs on the paged KV cache.
+
+Parameter layout follows transformers' modules with two fusions made at load time:
+q/k/v projections into one matrix and gate/up into one, so a layer is four matmuls. The
+numerics follow transformers' own modules (RMSNorm in float32, RoPE tables computed in
+float32) so that greedy tokens match ``generate()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from engine.attention import AttentionBatch, paged_attention
+
+
+@dataclass
+class ModelSpec:
+    """The shape of a decoder, read from its Hugging Face config (engine/loader.py)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
+    tie_word_embeddings: bool
+    layer_windows: list[int | None]  # sliding window per layer, None = full attention
+    inv_freq: torch.Tensor  # [head_dim / 2] float32
+    rope_scaling: float  # transformers' attention_scaling, applied to cos and sin
+    max_position: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, window: int | None) -> None:
+        super().__init__()
+        self.spec, self.window = spec, window
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.split = (q_size, kv_size, kv_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBatch,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(self.input_norm(x)).split(self.split, dim=-1)
+        q = q.view(n, spec.num_heads, spec.head_dim)  # [N, Hq, D]
+        k = k.view(n, spec.num_kv_heads, spec.head_dim)  # [N, Hkv, D]
+        v = v.view(n, spec.num_kv_heads, spec.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        o = paged_attention(q, k, v, k_cache, v_cache, attn, self.window)  # [N, Hq, D]
+        x = x + self.o_proj(o.reshape(n, -1))
+        gate, up = self.gate_up_proj(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D]; cos/sin [N, D] (halves duplicated, as transformers' rotate_half expects)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, w) for w in spec.layer_windows)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [max_position, D] in the model's dtype, computed in float32 like transformers."""
+        if self._rope_cache is None:
+            device = self.embed_tokens.weight.device
+            positions = torch.arange(self.spec.max_position, device=device, dtype=torch.float32)
+            freqs = positions[:, None] * self.spec.inv_freq.to(device)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            dtype = self.embed_tokens.weight.dtype
+            self._rope_cache = ((emb.cos() * self.spec.rope_scaling).to(dtype),
+                                (emb.sin() * self.spec.rope_scaling).to(dtype))
+        return self._rope_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [N]; kv_cache [L, 2, S, Hkv, D]. Returns hidden states [N, H]."""
+        cos_table, sin_table = self.rope_tables()
+        cos, sin = cos_table[positions], sin_table[positions]  # [N, D]
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn, kv_cache[i, 0], kv_cache[i, 1])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, H] -> logits [R, V]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

@@ -1,0 +1,55 @@
+"""What the engine hands back: per-step request outputs and prefill results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.kv_transfer import KVPayload
+
+# Finish reasons. MindIE's values, plus the two ends a caller causes.
+EOS = "eos_token"
+STOP = "stop_sequence"
+LENGTH = "length"
+ABORT = "abort"  # abort(request_id): a cancellation or a client that went away
+TIMEOUT = "timeout"  # the request's deadline passed
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-N alternatives, (id, logprob)
+
+
+@dataclass
+class PrefillResult:
+    """What P hands to D: the first token and the prompt's KV."""
+
+    request_id: str
+    first_token_id: int
+    first_logprob: TokenLogprob | None
+    seed: int
+    kv: KVPayload
+    prefill_time_ms: float  # arrival at P to the first token
+
+
+@dataclass
+class RequestOutput:
+    """The tokens one request produced in one engine step (streamed to the caller)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    num_output_tokens: int  # so far, this engine's tokens plus P's first token in DECODE mode
+    finished: bool
+    finish_reason: str | None
+    seed: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    prefill: PrefillResult | None = None  # set on the last output of a PREFILL request
+    first_token_time: float | None = None
+    arrival_time: float | None = None
+    error: str | None = None  # set when the engine failed this request
+    # On the last output only: every output token (P's first included) and the whole text.
+    output_token_ids: list[int] | None = None
+    text: str | None = None

@@ -1,0 +1,68 @@
+"""The per-step view of a batch that the sampler reads: per-row parameters as tensors.
+
+Built once per engine step from the requests that sample in that step. Dense per-row
+controls (temperature, top-k, top-p, min-p, penalties, seeds) become [R] tensors so the
+sampler handles them without a Python loop over rows; the rare list-valued controls
+(bad words, n-gram bans, logit bias) are kept as per-row lists, with the indices of the
+rows that use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sampling.noise import split_seed
+from sampling.params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one request at this step."""
+
+    params: SamplingParams
+    seed: int  # resolved: the request's or the one the engine drew
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_token_ids: list[int]  # the model's EOS ids, or [params.eos_token_id]
+
+
+@dataclass
+class SamplingBatch:
+    rows: list[SamplingRow]
+    greedy: torch.Tensor  # [R] bool
+    temperature: torch.Tensor  # [R] float32, 1.0 on greedy rows
+    top_k: torch.Tensor  # [R] int64, 0 = off
+    top_p: torch.Tensor  # [R] float32, 1.0 = off
+    min_p: torch.Tensor  # [R] float32, 0.0 = off
+    seed_lo: torch.Tensor  # [R] int64
+    seed_hi: torch.Tensor  # [R] int64
+    step: torch.Tensor  # [R] int64: index of the token being generated
+    max_logprobs: int | None  # largest top-N asked for in the batch, None if none asked
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingBatch":
+        params = [r.params for r in rows]
+        seeds = [split_seed(r.seed) for r in rows]
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        greedy = [p.greedy for p in params]
+        return cls(
+            rows=rows,
+            greedy=tensor(greedy, torch.bool),
+            temperature=tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
+            top_k=tensor([p.top_k if p.top_k < vocab_size else 0 for p in params], torch.int64),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            min_p=tensor([p.min_p for p in params], torch.float32),
+            seed_lo=tensor([lo for lo, _ in seeds], torch.int64),
+            seed_hi=tensor([hi for _, hi in seeds], torch.int64),
+            step=tensor([len(r.output_ids) for r in rows], torch.int64),
+            max_logprobs=max(asked) if asked else None,
+        )
+
+    def rows_where(self, predicate) -> list[int]:
+        return [i for i, r in enumerate(self.rows) if predicate(r.params)]

@@ -1,0 +1,82 @@
+"""Per-request generation controls, validated once when a request is built.
+
+One object carries every control a request can set, as vLLM's ``SamplingParams`` does:
+the sampling controls (temperature, top-k/top-p/min-p, penalties, biases, seed, logprobs)
+and the stop conditions (length limits, EOS, stop token sequences and stop strings).
+Invalid values raise ``ValueError`` whose message starts with the field's name, so an
+API layer can turn it into a 4xx that names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_SEED = 2**64 - 1
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 20
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    # None: greedy exactly when temperature == 0 or top_k == 1 (docs/sampling.md).
+    do_sample: bool | None = None
+    top_k: int = 0  # 0 = off; k >= vocab size is off as well
+    top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off
+    repetition_penalty: float = 1.0  # transformers' semantics, over prompt and output
+    presence_penalty: float = 0.0  # OpenAI's semantics, over the output
+    frequency_penalty: float = 0.0
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None  # None: the engine draws one and reports it
+    logprobs: int | None = None  # None = off; N = chosen token's logprob plus the top N
+    ignore_eos: bool = False
+    eos_token_id: int | None = None  # overrides the model's EOS (TensorRT-LLM's end_id)
+    stop_token_ids: list[list[int]] = field(default_factory=list)  # token-id sequences
+    stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        _check(self.min_new_tokens >= 0, "min_new_tokens", "must be >= 0")
+        _check(self.temperature >= 0.0, "temperature", "must be >= 0")
+        _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables top-k)")
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        _check(self.no_repeat_ngram_size >= 0, "no_repeat_ngram_size", "must be >= 0")
+        _check(self.seed is None or 0 < self.seed <= MAX_SEED, "seed", f"must be in (0, {MAX_SEED}]")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            "logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}]",
+        )
+        _check(all(len(w) > 0 for w in self.bad_words_ids), "bad_words_ids", "sequences must be non-empty")
+        _check(all(len(s) > 0 for s in self.stop_token_ids), "stop_token_ids", "sequences must be non-empty")
+        _check(all(len(s) > 0 for s in self.stop), "stop", "strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the next token is the argmax (no random draw)."""
+        if self.do_sample is not None:
+            return not self.do_sample or self.temperature == 0.0
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def token_ids_in_use(self) -> list[int]:
+        """Every token id the request names, for checks against the vocabulary."""
+        ids = list(self.logit_bias)
+        for seq in (*self.bad_words_ids, *self.stop_token_ids):
+            ids.extend(seq)
+        if self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
+        return ids
+
+
+def _check(ok: bool, name: str, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {rule}")

@@ -1,0 +1,112 @@
+"""Logits processors: penalties, biases and bans, applied in place before sampling.
+
+Each function takes logits [R, V] (float32, one row per sampling request) and the batch,
+and changes the logits in place. Semantics follow transformers' processors of the same
+names (tests compare against them) and OpenAI's for presence/frequency penalties. Order,
+as transformers applies them: logit bias, repetition penalty, presence/frequency
+penalties, no-repeat n-gram ban, bad words, minimum length (EOS masked). Temperature is
+applied after all of them, by the sampler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sampling.batch import SamplingBatch
+
+
+def apply_all(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Apply every processor that some row of the batch asks for (in place)."""
+    apply_logit_bias(logits, batch)
+    apply_repetition_penalty(logits, batch)
+    apply_presence_frequency(logits, batch)
+    apply_no_repeat_ngram(logits, batch)
+    apply_bad_words(logits, batch)
+    apply_min_new_tokens(logits, batch)
+
+
+def _padded(sequences: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged id lists as ([R, L] int64 ids, [R, L] bool valid), padded with id 0."""
+    width = max(1, max(len(s) for s in sequences))
+    ids = torch.zeros(len(sequences), width, dtype=torch.int64)
+    valid = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.int64)
+        valid[i, : len(s)] = True
+    return ids.to(device), valid.to(device)
+
+
+def _counts(sequences: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, V] float32 occurrence counts of each token id per row."""
+    ids, valid = _padded(sequences, device)
+    counts = torch.zeros(len(sequences), vocab, dtype=torch.float32, device=device)
+    return counts.scatter_add_(1, ids, valid.to(torch.float32))
+
+
+def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    rows = batch.rows_where(lambda p: bool(p.logit_bias))
+    for i in rows:
+        bias = batch.rows[i].params.logit_bias
+        ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
+        logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """transformers' RepetitionPenaltyLogitsProcessor over prompt and output tokens."""
+    rows = batch.rows_where(lambda p: p.repetition_penalty != 1.0)
+    if not rows:
+        return
+    index = torch.tensor(rows, device=logits.device)
+    seen = _counts([batch.rows[i].prompt_ids + batch.rows[i].output_ids for i in rows],
+                   logits.shape[1], logits.device) > 0  # [r, V]
+    penalty = torch.tensor([batch.rows[i].params.repetition_penalty for i in rows],
+                           dtype=logits.dtype, device=logits.device)[:, None]
+    sub = logits[index]
+    penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
+    logits[index] = torch.where(seen, penalised, sub)
+
+
+def apply_presence_frequency(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """OpenAI's penalties: logit -= frequency * count + presence * (count > 0), output only."""
+    rows = batch.rows_where(lambda p: p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+    if not rows:
+        return
+    index = torch.tensor(rows, device=logits.device)
+    counts = _counts([batch.rows[i].output_ids for i in rows], logits.shape[1], logits.device)
+    presence = torch.tensor([batch.rows[i].params.presence_penalty for i in rows], device=logits.device)
+    frequency = torch.tensor([batch.rows[i].params.frequency_penalty for i in rows], device=logits.device)
+    logits[index] -= frequency[:, None] * counts + presence[:, None] * (counts > 0).to(counts.dtype)
+
+
+def apply_no_repeat_ngram(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """transformers' NoRepeatNGramLogitsProcessor over prompt + output."""
+    for i in batch.rows_where(lambda p: p.no_repeat_ngram_size > 0):
+        row = batch.rows[i]
+        n = row.params.no_repeat_ngram_size
+        tokens = row.prompt_ids + row.output_ids
+        if len(tokens) + 1 < n:
+            continue
+        prefix = tuple(tokens[len(tokens) - n + 1:]) if n > 1 else ()
+        banned = {tokens[j + n - 1] for j in range(len(tokens) - n + 1) if tuple(tokens[j:j + n - 1]) == prefix}
+        if banned:
+            logits[i, list(banned)] = -float("inf")
+
+
+def apply_bad_words(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """transformers' NoBadWordsLogitsProcessor: ban a sequence's last token when the rest
+    of the sequence ends the current prompt + output (single tokens: always banned)."""
+    for i in batch.rows_where(lambda p: bool(p.bad_words_ids)):
+        row = batch.rows[i]
+        tokens = row.prompt_ids + row.output_ids
+        banned = [w[-1] for w in row.params.bad_words_ids
+                  if len(w) == 1 or (len(w) - 1 <= len(tokens) and tokens[len(tokens) - len(w) + 1:] == w[:-1])]
+        if banned:
+            logits[i, banned] = -float("inf")
+
+
+def apply_min_new_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Mask EOS until a row has produced min_new_tokens tokens (MinNewTokensLength...)."""
+    for i in batch.rows_where(lambda p: p.min_new_tokens > 0):
+        row = batch.rows[i]
+        if len(row.output_ids) < row.params.min_new_tokens and row.eos_token_ids:
+            logits[i, row.eos_token_ids] = -float("inf")

@@ -1,0 +1,48 @@
+"""Incremental detokenization: streamed pieces concatenate to tokenizer.decode()."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tiny_model import ensure_tiny_model
+
+# Characters outside tiny-llama's corpus are split into single-byte tokens.
+TEXTS = ["Grüße 大语言模型 🚀 한국어 텍스트 𝄞 done", "ab🤖\u200dcd", "Ελληνικά κείμενα ≠ ∑"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(ensure_tiny_model())
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_pieces_concatenate_to_decode(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "the text should split a multi-byte character"
+    detok = IncrementalDetokenizer(tokenizer, stop=[])
+    pieces = [detok.add(i)[0] for i in ids] + [detok.finish()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+
+
+def test_incomplete_character_at_the_end_matches_decode(tokenizer):
+    ids = tokenizer.encode("x🚀", add_special_tokens=False)[:-1]  # cut inside the emoji's bytes
+    detok = IncrementalDetokenizer(tokenizer, stop=[])
+    pieces = [detok.add(i)[0] for i in ids] + [detok.finish()]
+    assert "".join(pieces) == tokenizer.decode(ids)
+
+
+def test_stop_string_is_held_back_and_cut(tokenizer):
+    text = "hello wor" + "ld and more"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=["world"])
+    pieces, stopped = [], False
+    for i in ids:
+        piece, stopped = detok.add(i)
+        pieces.append(piece)
+        if stopped:
+            break
+    assert stopped
+    pieces.append(detok.finish())
+    assert "".join(pieces) == "hello "
+    assert not any("wor" in p for p in pieces)
