@@ -29,22 +29,24 @@ class PrefillChunk:
 class AttentionBatch:
     slot_mapping: torch.Tensor  # [N] slot each new token's K/V is written to
     decode_rows: torch.Tensor  # [Bd] indices of decode tokens in the flat batch
-    decode_slots: torch.Tensor  # [Bd, Lmax] context slots per decoding sequence, 0-padded
-    decode_masks: dict[int | None, torch.Tensor]  # window -> [Bd, 1, 1, Lmax] bool
+    decode_blocks: torch.Tensor  # [Bd, MB] block table per decoding sequence, 0-padded
+    decode_masks: dict[int | None, torch.Tensor]  # window -> [Bd, 1, 1, MB * block_size] bool
+    block_size: int
     prefills: list[PrefillChunk]
 
 
-def build_attention_batch(slot_mapping: list[int], decodes: list[tuple[int, list[int]]],
+def build_attention_batch(slot_mapping: list[int], decodes: list[tuple[int, int, list[int]]],
                           prefills: list[tuple[int, int, int, list[int]]], windows: set[int | None],
-                          device: torch.device) -> AttentionBatch:
-    """decodes: (flat index, context slots); prefills: (flat start, n tokens, start position,
-    context slots). ``windows``: the sliding windows the model's layers use (None = full)."""
-    max_len = max((len(s) for _, s in decodes), default=1)
-    decode_slots = torch.zeros(len(decodes), max_len, dtype=torch.int64)
-    lengths = torch.tensor([len(s) for _, s in decodes], dtype=torch.int64)
-    for i, (_, slots) in enumerate(decodes):
-        decode_slots[i, : len(slots)] = torch.tensor(slots)
-    key_pos = torch.arange(max_len)[None, :]  # [1, Lmax]
+                          block_size: int, device: torch.device) -> AttentionBatch:
+    """decodes: (flat index, context length, block table); prefills: (flat start, n tokens,
+    start position, context slots). ``windows``: the sliding windows of the model's layers
+    (None = full attention)."""
+    max_blocks = max((len(t) for _, _, t in decodes), default=1)
+    decode_blocks = torch.zeros(len(decodes), max_blocks, dtype=torch.int64)
+    lengths = torch.tensor([n for _, n, _ in decodes], dtype=torch.int64)
+    for i, (_, _, table) in enumerate(decodes):
+        decode_blocks[i, : len(table)] = torch.tensor(table)
+    key_pos = torch.arange(max_blocks * block_size)[None, :]  # [1, Lmax]
     query_pos = (lengths - 1)[:, None]  # [Bd, 1]
     decode_masks = {w: _window_mask(query_pos, key_pos, w)[:, None, None, :].to(device) for w in windows}
 
@@ -57,9 +59,10 @@ def build_attention_batch(slot_mapping: list[int], decodes: list[tuple[int, list
         chunks.append(PrefillChunk(start, n, torch.tensor(slots, device=device), start_pos, masks))
     return AttentionBatch(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-        decode_rows=torch.tensor([i for i, _ in decodes], dtype=torch.int64, device=device),
-        decode_slots=decode_slots.to(device),
+        decode_rows=torch.tensor([i for i, _, _ in decodes], dtype=torch.int64, device=device),
+        decode_blocks=decode_blocks.to(device),
         decode_masks=decode_masks,
+        block_size=block_size,
         prefills=chunks,
     )
 
@@ -80,9 +83,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_cache.index_copy_(0, batch.slot_mapping, v)
     out = torch.empty_like(q)
     if batch.decode_rows.numel():
+        # Gather whole blocks (contiguous runs of slots), not slot by slot.
+        num_seqs, hkv, d = batch.decode_blocks.shape[0], k_cache.shape[1], k_cache.shape[2]
+        by_block = (-1, batch.block_size, hkv, d)
         q_d = q[batch.decode_rows].unsqueeze(2)  # [Bd, Hq, 1, D]
-        k_d = k_cache[batch.decode_slots].transpose(1, 2)  # [Bd, Hkv, Lmax, D]
-        v_d = v_cache[batch.decode_slots].transpose(1, 2)
+        k_d = k_cache.view(by_block)[batch.decode_blocks].view(num_seqs, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, Lmax, D]
+        v_d = v_cache.view(by_block)[batch.decode_blocks].view(num_seqs, -1, hkv, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=batch.decode_masks[window], enable_gqa=True)
         out[batch.decode_rows] = o.squeeze(2)
     for chunk in batch.prefills:

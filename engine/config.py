@@ -21,6 +21,7 @@ class EngineConfig:
     max_iter_times: int = 1024  # server cap on generated tokens per request (MindIE's maxIterTimes)
     default_timeout_s: float = 600.0  # deadline for requests that bring none
     top_k_guess: int = 32  # candidates tried first for top-p (the Ascend operator's topKGuess)
+    sampler_backend: str = "auto"  # auto (Ascend's operator on an NPU, else torch), native, ascend
     torch_threads: int | None = None  # intra-op threads for this engine; None: torch's default
 
     def __post_init__(self) -> None:

@@ -42,7 +42,8 @@ class LLMEngine:
         # A request can never hold more KV than the whole pool: past that it would preempt itself forever.
         self.max_model_len = min(self.loaded.max_model_len, self.blocks.num_blocks * config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.loaded, self.blocks)
+        self.runner = ModelRunner(self.loaded, self.blocks, config)
+        self.runner.warm_up(config.max_num_batched_tokens)
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()

@@ -30,7 +30,7 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, blocks: BlockManager) -> None:
+    def __init__(self, loaded: LoadedModel, blocks: BlockManager, config: EngineConfig) -> None:
         self.loaded = loaded
         self.blocks = blocks
         self.device = loaded.device
@@ -38,8 +38,22 @@ class ModelRunner:
         # [layers, k/v, slots, kv_heads, head_dim], allocated once.
         self.kv_cache = torch.zeros(spec.num_layers, 2, blocks.num_blocks * blocks.block_size, spec.num_kv_heads,
                                     spec.head_dim, dtype=loaded.dtype, device=self.device)
-        self.sampler = Sampler(self.device, spec.vocab_size)
+        self.sampler = Sampler(self.device, spec.vocab_size, config.top_k_guess, config.sampler_backend)
         self.windows = set(spec.layer_windows)
+
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int) -> None:
+        """One throw-away forward of a full step's tokens at start-up (as vLLM's profile run):
+        the first real request then finds the allocator and the kernels warm. It writes KV
+        into pool slots that no sequence owns yet; every slot is written by its owner before
+        it is read."""
+        num_tokens = min(num_tokens, self.kv_cache.shape[2], self.loaded.spec.max_position)
+        slots = list(range(num_tokens))
+        attn = build_attention_batch(slots, [], [(0, num_tokens, 0, slots)], self.windows, self.blocks.block_size,
+                                     self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden = self.loaded.model(torch.zeros_like(positions), positions, attn, self.kv_cache)
+        self.loaded.model.compute_logits(hidden[-1:])
 
     def kv_meta(self, num_tokens: int) -> KVMeta:
         spec = self.loaded.spec
@@ -59,14 +73,14 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             slot_mapping.extend(self.blocks.slots(seq, start, start + n))
-            context = self.blocks.slots(seq, 0, start + n)
             if n == 1:
-                decodes.append((flat, context))
+                decodes.append((flat, start + 1, seq.block_table))
             else:
-                prefills.append((flat, n, start, context))
+                prefills.append((flat, n, start, self.blocks.slots(seq, 0, start + n)))
             if batch.samples(seq, n):
                 sample_rows.append(flat + n - 1)
-        attn = build_attention_batch(slot_mapping, decodes, prefills, self.windows, self.device)
+        attn = build_attention_batch(slot_mapping, decodes, prefills, self.windows, self.blocks.block_size,
+                                     self.device)
         model = self.loaded.model
         hidden = model(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
                        attn, self.kv_cache)  # [N, H]

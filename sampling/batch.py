@@ -40,6 +40,7 @@ class SamplingBatch:
     seed_hi: torch.Tensor  # [R] int64
     step: torch.Tensor  # [R] int64: index of the token being generated
     max_logprobs: int | None  # largest top-N asked for in the batch, None if none asked
+    has_processors: bool  # some row asks for a penalty, bias or ban (sampling/processors.py)
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingBatch":
@@ -62,7 +63,13 @@ class SamplingBatch:
             seed_hi=tensor([hi for _, hi in seeds], torch.int64),
             step=tensor([len(r.output_ids) for r in rows], torch.int64),
             max_logprobs=max(asked) if asked else None,
+            has_processors=any(_uses_processors(p) for p in params),
         )
 
     def rows_where(self, predicate) -> list[int]:
         return [i for i, r in enumerate(self.rows) if predicate(r.params)]
+
+
+def _uses_processors(p: SamplingParams) -> bool:
+    return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                or p.no_repeat_ngram_size or p.bad_words_ids or p.min_new_tokens)

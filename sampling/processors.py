@@ -94,11 +94,13 @@ def apply_no_repeat_ngram(logits: torch.Tensor, batch: SamplingBatch) -> None:
 
 def apply_bad_words(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """transformers' NoBadWordsLogitsProcessor: ban a sequence's last token when the rest
-    of the sequence ends the current prompt + output (single tokens: always banned)."""
+    of the sequence ends the current prompt + output (single tokens: always banned). As
+    there, a sequence that is just an EOS id is ignored: bad words never forbid ending."""
     for i in batch.rows_where(lambda p: bool(p.bad_words_ids)):
         row = batch.rows[i]
         tokens = row.prompt_ids + row.output_ids
-        banned = [w[-1] for w in row.params.bad_words_ids
+        words = [w for w in row.params.bad_words_ids if not (len(w) == 1 and w[0] in row.eos_token_ids)]
+        banned = [w[-1] for w in words
                   if len(w) == 1 or (len(w) - 1 <= len(tokens) and tokens[len(tokens) - len(w) + 1:] == w[:-1])]
         if banned:
             logits[i, banned] = -float("inf")

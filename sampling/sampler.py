@@ -20,7 +20,7 @@ import torch
 from sampling.batch import SamplingBatch
 from sampling.noise import exponential_noise
 from sampling.processors import apply_all
-from sampling.topk_topp import top_k_top_p_sample
+from sampling.topk_topp import take_rows, top_k_top_p_sample
 
 
 @dataclass
@@ -30,50 +30,71 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]] | None]  # top-N (id, logprob), None where not asked for
 
 
+BACKENDS = ("auto", "native", "ascend")
+
+
 class Sampler:
-    def __init__(self, device: torch.device, vocab_size: int, top_k_guess: int = 32) -> None:
+    def __init__(self, device: torch.device, vocab_size: int, top_k_guess: int = 32, backend: str = "auto") -> None:
+        """``backend``: "auto" picks Ascend's operator when ``device`` is an NPU, else native."""
+        if backend not in BACKENDS:
+            raise ValueError(f"sampler_backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.vocab_size = vocab_size
         self.top_k_guess = top_k_guess
         self.ascend = None
-        if device.type == "npu":
+        if backend == "ascend" or (backend == "auto" and device.type == "npu"):
             from sampling.npu import AscendTopKTopPSampler
 
             self.ascend = AscendTopKTopPSampler(top_k_guess)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample one token per row. ``logits`` [R, V] is not modified (a float32 copy is)."""
-        logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)
-        apply_all(logits, batch)
-        logits.div_(batch.temperature[:, None])
+        """Sample one token per row of ``logits`` [R, V].
+
+        Changes ``logits`` in place when it is float32 (processors, temperature, min-p), as
+        vLLM's sampler does: the caller hands over a tensor it does not use again.
+        """
+        logits = logits[:, : self.vocab_size].float()  # the same tensor when already float32
+        if batch.has_processors:
+            apply_all(logits, batch)
+        if bool((batch.temperature != 1.0).any()):
+            logits.div_(batch.temperature[:, None])
         logprob_table = logits.log_softmax(-1) if batch.max_logprobs is not None else None
 
-        token_ids = logits.argmax(-1)  # greedy rows keep this
-        sampled = torch.nonzero(~batch.greedy).flatten()
-        if sampled.numel():
-            token_ids[sampled] = self._sample(logits[sampled], batch, sampled)
+        greedy_rows = torch.nonzero(batch.greedy).flatten()
+        sampled_rows = torch.nonzero(~batch.greedy).flatten()
+        token_ids = torch.empty(len(batch.rows), dtype=torch.int64, device=logits.device)
+        if greedy_rows.numel():
+            token_ids[greedy_rows] = take_rows(logits, greedy_rows).argmax(-1)
+        if sampled_rows.numel():
+            self._apply_min_p(logits, batch, sampled_rows)
+            token_ids[sampled_rows] = self._sample(logits, batch, sampled_rows)
         return self._output(token_ids, logprob_table, batch)
 
+    @staticmethod
+    def _apply_min_p(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> None:
+        """Keep p >= min_p * p_max, i.e. logit >= max_logit + log(min_p) (in place, min-p rows only)."""
+        rows = rows[batch.min_p[rows] > 0]
+        if rows.numel():
+            sub = logits[rows]
+            threshold = sub.max(-1, keepdim=True).values + torch.log(batch.min_p[rows])[:, None]
+            logits[rows] = sub.masked_fill(sub < threshold, -float("inf"))
+
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
-        min_p = batch.min_p[rows]
-        if bool((min_p > 0).any()):
-            # Keep p >= min_p * p_max, i.e. logit >= max_logit + log(min_p).
-            threshold = logits.max(-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30))[:, None]
-            logits.masked_fill_((min_p[:, None] > 0) & (logits < threshold), -float("inf"))
-        seed_lo, seed_hi, step = batch.seed_lo[rows], batch.seed_hi[rows], batch.step[rows]
-        top_k, top_p = batch.top_k[rows], batch.top_p[rows]
+        """Sample ``rows`` of ``logits`` [R, V]; returns [len(rows)] token ids."""
         if self.ascend is not None:
+            top_k = batch.top_k[rows]
             reason = self.ascend.unsupported_reason(top_k, self.vocab_size)
             if reason is None:
                 vocab_ids = torch.arange(logits.shape[1], device=logits.device)
-                q = exponential_noise(seed_lo, seed_hi, step, vocab_ids)  # [r, V]
-                return self.ascend.sample(logits, top_k, top_p, q)
+                q = exponential_noise(batch.seed_lo[rows], batch.seed_hi[rows], batch.step[rows], vocab_ids)  # [r, V]
+                return self.ascend.sample(take_rows(logits, rows), top_k, batch.top_p[rows], q)
             self.ascend.warn_fallback_once(reason)
 
-        def noise(local_rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-            return exponential_noise(seed_lo[local_rows], seed_hi[local_rows], step[local_rows], token_ids)
+        def noise(noise_rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+            return exponential_noise(batch.seed_lo[noise_rows], batch.seed_hi[noise_rows], batch.step[noise_rows],
+                                     token_ids)
 
-        return top_k_top_p_sample(logits, top_k, top_p, noise, top_k_limit=self.vocab_size,
-                                  top_k_guess=self.top_k_guess)
+        return top_k_top_p_sample(logits, batch.top_k, batch.top_p, noise, top_k_limit=self.vocab_size,
+                                  top_k_guess=self.top_k_guess, sample_rows=rows)
 
     @staticmethod
     def _output(token_ids: torch.Tensor, logprob_table: torch.Tensor | None, batch: SamplingBatch) -> SamplerOutput:

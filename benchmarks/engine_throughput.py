@@ -1,0 +1,164 @@
+"""Engine throughput against transformers, with the machine's roofline beside it.
+
+One run, one machine, one workload: (a) transformers ``generate`` with one static batch,
+(b) transformers' continuous-batching ``generate_batch``, (c) pdserve's engine. Default
+workload: 32 prompts x 128 tokens in, 64 out, EOS ignored, greedy, a random model shaped
+like SmolLM-135M cut to 8 layers, float32.
+
+    python benchmarks/engine_throughput.py [--json PATH] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+import json
+from pathlib import Path
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.machine import copy_bandwidth, matmul_flops  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.request import GenerationRequest  # noqa: E402
+from engine.tiny_model import ensure_tiny_model  # noqa: E402
+from sampling import SamplingParams  # noqa: E402
+
+# SmolLM-135M's shape, 8 of its 30 layers.
+SMOLLM_8L = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
+                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                 tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
+
+
+@dataclass
+class Workload:
+    num_prompts: int = 32
+    input_len: int = 128
+    output_len: int = 64
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+def make_model(directory: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMOLLM_8L)).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_tiny_model() / name, directory / name)
+    return directory
+
+
+def roofline_tokens_per_s(w: Workload, flops_per_s: float, bytes_per_s: float) -> tuple[float, dict]:
+    """Generated tokens/s if every phase ran at the machine's matmul rate or copy bandwidth,
+    whichever binds: prefill (prompt tokens through the layers, the LM head on the last
+    token) then one decode step per output token (all rows through layers and LM head)."""
+    c = SMOLLM_8L
+    h, inter, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    head_dim = h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    layer_params = h * (q + 2 * kv) + q * h + 3 * h * inter
+    element = torch.empty((), dtype=getattr(torch, w.dtype)).element_size()
+    weight_bytes = (layers * layer_params + vocab * h) * element
+    b, t = w.num_prompts, w.input_len
+    attn_prefill = layers * 2 * 2 * b * (t * (t + 1) / 2) * q  # QK^T and PV, causal
+    prefill_flops = 2 * b * t * layers * layer_params + attn_prefill + 2 * b * h * vocab
+    seconds = max(prefill_flops / flops_per_s, weight_bytes / bytes_per_s)
+    for step in range(1, w.output_len):
+        ctx = t + step
+        flops = 2 * b * (layers * layer_params + h * vocab) + layers * 2 * 2 * b * ctx * q
+        kv_bytes = layers * 2 * b * ctx * kv * element
+        seconds += max(flops / flops_per_s, (weight_bytes + kv_bytes) / bytes_per_s)
+    return b * w.output_len / seconds, {"prefill_gflop": prefill_flops / 1e9, "weight_mb": weight_bytes / 1e6}
+
+
+def prompts(w: Workload) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, SMOLLM_8L["vocab_size"], (w.input_len,), generator=generator).tolist()
+            for _ in range(w.num_prompts)]
+
+
+def time_hf_generate(model, ids: list[list[int]], w: Workload) -> float:
+    batch = torch.tensor(ids, device=w.device)
+    start = time.perf_counter()
+    out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
+                         max_new_tokens=w.output_len, min_new_tokens=w.output_len, pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    assert out.shape == (w.num_prompts, w.input_len + w.output_len)
+    return elapsed
+
+
+def time_hf_generate_batch(model, ids: list[list[int]], w: Workload) -> float:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=w.output_len, min_new_tokens=w.output_len, do_sample=False,
+                              eos_token_id=-1, pad_token_id=0)
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=ids, generation_config=config, progress_bar=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(r.generated_tokens) == w.output_len for r in results.values())
+    return elapsed
+
+
+def time_engine(model_dir: Path, ids: list[list[int]], w: Workload) -> float:
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=w.dtype, device=w.device, kv_cache_memory_gb=1.0))
+    params = SamplingParams(max_new_tokens=w.output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    results = engine.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(ids)])
+    elapsed = time.perf_counter() - start
+    assert all(r.num_output_tokens == w.output_len for r in results.values())
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--skip-hf-batch", action="store_true", help="leave out generate_batch")
+    args = parser.parse_args()
+    w = Workload(args.num_prompts, args.input_len, args.output_len, "float32", args.device)
+    from transformers import AutoModelForCausalLM
+
+    flops, bandwidth = matmul_flops(), copy_bandwidth()
+    roofline, shape = roofline_tokens_per_s(w, flops, bandwidth)
+    ids = prompts(w)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model(Path(tmp))
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(w.device).eval()
+        time_hf_generate(hf, [p[:16] for p in ids[:2]], Workload(2, 16, 2, w.dtype, w.device))  # warm-up
+        generated = w.num_prompts * w.output_len
+        rates = {"hf_generate_tok_s": generated / time_hf_generate(hf, ids, w)}
+        if not args.skip_hf_batch:
+            rates["hf_generate_batch_tok_s"] = generated / time_hf_generate_batch(hf, ids, w)
+        del hf
+        rates["engine_tok_s"] = generated / time_engine(model_dir, ids, w)
+    best_hf = max(v for k, v in rates.items() if k.startswith("hf_"))
+    result = {**rates, "roofline_tok_s": roofline, "engine_vs_best_hf": rates["engine_tok_s"] / best_hf,
+              "engine_vs_roofline": rates["engine_tok_s"] / roofline, "matmul_gflop_s": flops / 1e9,
+              "copy_gb_s": bandwidth / 1e9, "torch_threads": torch.get_num_threads(),
+              "workload": {**asdict(w), **shape, "model": "SmolLM-135M shape, 8 layers, random"}}
+    print(f"machine: matmul {flops / 1e9:.1f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s, "
+          f"{torch.get_num_threads()} threads")
+    print(f"workload: {w.num_prompts} prompts x {w.input_len} in, {w.output_len} out, {w.dtype}, {w.device}")
+    print(f"{'system':<28}{'tok/s':>10}{'vs engine':>12}")
+    for name in ("hf_generate_tok_s", "hf_generate_batch_tok_s", "engine_tok_s", "roofline_tok_s"):
+        value = result.get(name)
+        if value is not None:
+            print(f"{name:<28}{value:>10.1f}{value / rates['engine_tok_s']:>12.2f}")
+    print(f"engine / best HF = {result['engine_vs_best_hf']:.2f}x, engine / roofline = "
+          f"{result['engine_vs_roofline']:.0%}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

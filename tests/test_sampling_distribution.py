@@ -1,0 +1,126 @@
+"""The top-k -> top-p -> exponential-race sampler: distributions and the operator's formula."""
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+import torch
+
+from sampling import Sampler, SamplingParams
+from sampling.noise import exponential_noise
+from sampling.topk_topp import EPS, top_k_top_p_sample
+from tests.sampling_helpers import batch_of
+
+VOCAB = 64
+DRAWS = 20_000
+
+
+def exact_distribution(logits: torch.Tensor, top_k: int, top_p: float) -> np.ndarray:
+    """The truncated, renormalised distribution in float64, written plainly."""
+    l = logits.double().clone()
+    if 1 <= top_k <= len(l):
+        l[l < torch.topk(l, top_k).values[-1]] = -float("inf")
+    probs = torch.softmax(l, -1)
+    if top_p < 1.0:
+        order = torch.argsort(probs, descending=True)
+        before = torch.cumsum(probs[order], 0) - probs[order]
+        probs[order[before > top_p]] = 0.0
+    return (probs / probs.sum()).numpy()
+
+
+@pytest.fixture(scope="module")
+def logits():
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(3)) * 2.0
+
+
+@pytest.mark.parametrize("top_k,top_p,sample", list(itertools.product([0, 10], [1.0, 0.8], [False, True])))
+def test_all_eight_combinations(logits, top_k, top_p, sample):
+    params = SamplingParams(top_k=top_k, top_p=top_p, temperature=1.0 if sample else 0.0)
+    batch = batch_of([params] * DRAWS, VOCAB)
+    tokens = np.array(Sampler(torch.device("cpu"), VOCAB)(logits.expand(DRAWS, VOCAB).clone(), batch).token_ids)
+    if not sample:  # without the race the operator is an argmax, whatever the truncation
+        assert (tokens == int(logits.argmax())).all()
+        return
+    expected = exact_distribution(logits, top_k, top_p)
+    observed = np.bincount(tokens, minlength=VOCAB)
+    assert observed[expected == 0].sum() == 0, "sampled a token the truncation removed"
+    support = expected > 0
+    if top_k or top_p < 1:
+        assert support.sum() < VOCAB
+    statistic, p_value = chisquare(observed[support], expected[support] * DRAWS)
+    assert p_value > 1e-3, (statistic, p_value)
+
+
+def test_top_p_guess_fallback_to_full_sort_is_exact():
+    # A flat row: the 32 guessed candidates carry far less than top_p, so the full sort runs.
+    vocab = 400
+    flat = torch.randn(vocab, generator=torch.Generator().manual_seed(5)) * 0.3
+    probs = torch.softmax(flat.double(), -1)
+    assert probs.topk(32).values.sum() < 0.9
+    batch = batch_of([SamplingParams(top_p=0.9)] * DRAWS, vocab)
+    tokens = np.array(Sampler(torch.device("cpu"), vocab)(flat.expand(DRAWS, vocab).clone(), batch).token_ids)
+    expected = exact_distribution(flat, 0, 0.9)
+    observed = np.bincount(tokens, minlength=vocab)
+    assert observed[expected == 0].sum() == 0
+    assert chisquare(observed[expected > 0], expected[expected > 0] * DRAWS).pvalue > 1e-3
+
+
+def test_min_p_keeps_tokens_within_the_ratio_of_the_best(logits):
+    batch = batch_of([SamplingParams(min_p=0.2)] * 4000, VOCAB)
+    tokens = set(Sampler(torch.device("cpu"), VOCAB)(logits.expand(4000, VOCAB).clone(), batch).token_ids)
+    probs = torch.softmax(logits.double(), -1)
+    allowed = set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
+    assert tokens <= allowed and len(tokens) == len(allowed)
+
+
+# ---- the operator's formula, checked by hand (SPEC §4) -----------------------------------
+
+def fixed_noise(q: torch.Tensor):
+    return lambda rows, ids: q[rows[:, None], ids] if ids.dim() == 2 else q[rows][:, ids]
+
+
+def op(logits, top_k, top_p, q, limit=1024):
+    return top_k_top_p_sample(torch.tensor(logits), torch.tensor(top_k), torch.tensor(top_p),
+                              None if q is None else fixed_noise(torch.tensor(q)), top_k_limit=limit).tolist()
+
+
+LOGITS = [[0.0, 1.0, 2.0, 3.0]]
+EQUAL_Q = [[1.0, 1.0, 1.0, 1.0]]
+
+
+def test_hand_checked_cases():
+    # No q: argmax, whatever top-k and top-p say.
+    assert op(LOGITS, [2], [0.5], None) == [3]
+    # Equal noise: the race picks the most probable kept token.
+    assert op(LOGITS, [0], [1.0], EQUAL_Q) == [3]
+    # Tiny q on token 0 makes it win when nothing truncates it...
+    assert op(LOGITS, [0], [1.0], [[1e-6, 1.0, 1.0, 1.0]]) == [0]
+    # ...but top-k = 2 keeps only tokens 3 and 2, so 2 wins when its q is small.
+    assert op(LOGITS, [2], [1.0], [[1e-6, 1.0, 1e-3, 1.0]]) == [2]
+    # top-k outside [1, min(V, 1024)] is skipped for that row: token 0 wins again.
+    assert op(LOGITS, [2000], [1.0], [[1e-6, 1.0, 1.0, 1.0]], limit=1024) == [0]
+    assert op([[0.0] * 2048], [1500], [1.0], [[1e-6] + [1.0] * 2047], limit=1024) == [0]
+    # top-p: probs 0.5, 0.3, 0.15, 0.05; with p = 0.7 the mass before token 2 is 0.8 > 0.7:
+    # tokens 2 and 3 are dropped, so a tiny q on them does not help them.
+    probs = [[float(np.log(x)) for x in (0.5, 0.3, 0.15, 0.05)]]
+    assert op(probs, [0], [0.7], [[1.0, 1.0, 1e-6, 1e-6]]) == [0]
+    assert op(probs, [0], [0.7], [[1.0, 1e-3, 1e-6, 1e-6]]) == [1]
+    # p = 0.85: mass before token 2 is 0.8 <= 0.85, so token 2 is kept; token 3 (0.95) is not.
+    assert op(probs, [0], [0.85], [[1.0, 1.0, 1e-6, 1e-7]]) == [2]
+    # top_p >= 1 skips top-p.
+    assert op(probs, [0], [1.0], [[1.0, 1.0, 1.0, 1e-6]]) == [3]
+    # The race is argmax(probs / (q + eps)): with q = 0 everywhere, eps decides: the argmax.
+    assert op(probs, [0], [1.0], [[0.0, 0.0, 0.0, 0.0]]) == [0]
+
+
+def test_noise_is_exponential_and_keyed_by_seed_step_token():
+    ids = torch.arange(50_000)
+    q = exponential_noise(torch.tensor([7]), torch.tensor([0]), torch.tensor([3]), ids)[0].double()
+    assert abs(q.mean().item() - 1.0) < 0.02 and abs(q.var().item() - 1.0) < 0.05
+    again = exponential_noise(torch.tensor([7, 9]), torch.tensor([0, 0]), torch.tensor([3, 3]), ids)
+    assert torch.equal(again[0].double(), q)  # another row beside it changes nothing
+    assert not torch.equal(again[1].double(), q)
+    other_step = exponential_noise(torch.tensor([7]), torch.tensor([0]), torch.tensor([4]), ids)[0].double()
+    assert not torch.equal(other_step, q)
+    assert EPS == 1e-8
