@@ -16,9 +16,9 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# The engine on the embedded tiny-llama: an interactive prompt on stdin.
+# Ray Serve on 127.0.0.1:8000: ingress + prefill + decode of the embedded tiny-llama.
 serve: install
-	$(VENV)/bin/pdserve chat --model tiny-llama
+	$(VENV)/bin/serve run configs/local.yaml
 
 test: install
 	$(PY) -m pytest -q

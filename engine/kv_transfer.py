@@ -8,6 +8,7 @@ same bytes and is viewed back on import.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+import warnings
 
 import numpy as np
 import torch
@@ -26,7 +27,9 @@ class KVMeta:
 @dataclass
 class KVPayload:
     meta: KVMeta
-    data: np.ndarray  # [layers, 2 (k, v), tokens, kv_heads, head_dim]
+    # [layers, 2 (k, v), tokens, kv_heads, head_dim]; None while the bytes travel on their own
+    # (deployments/servers.py sends them through Ray's object store, apart from the metadata).
+    data: np.ndarray | None
 
     @property
     def nbytes(self) -> int:
@@ -46,7 +49,11 @@ def tensor_to_numpy(kv: torch.Tensor) -> np.ndarray:
 
 
 def numpy_to_tensor(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    tensor = torch.from_numpy(np.ascontiguousarray(data))
+    """A tensor over ``data``'s memory. Arrays from Ray's object store are read-only; the
+    engine only reads them (to copy into its pool), so torch's warning about that is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        tensor = torch.from_numpy(np.ascontiguousarray(data))
     return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
 
 

@@ -1,0 +1,60 @@
+"""How the ingress reaches the engines: colocated (one deployment) or disaggregated (P then D).
+
+Both yield the engine's RequestOutputs, one per token. When the caller stops iterating
+(a client went away), the call in flight is cancelled; Ray Serve cancels it in the replica,
+where leaving the engine's stream aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from ray.serve.handle import DeploymentHandle
+
+from engine.outputs import RequestOutput
+from engine.request import GenerationRequest
+
+
+class ColocatedBackend:
+    def __init__(self, llm: DeploymentHandle) -> None:
+        self.llm = llm
+        self.handles = {"LLMServer": llm}
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        async for output in _cancel_on_exit(self.llm.options(stream=True).generate.remote(request)):
+            yield output
+
+
+class PDBackend:
+    """The ingress orchestrates: P runs the prompt and returns the first token at once; the
+    ingress hands it to the client, then calls D with P's reply. P's KV goes from P to D
+    through Ray's object store: only its ObjectRef passes through here."""
+
+    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.handles = {"PrefillServer": prefill, "DecodeServer": decode}
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        response = self.prefill.prefill.remote(request)
+        try:
+            reply = await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        yield reply.output
+        if reply.output.finished:
+            return
+        async for output in _cancel_on_exit(self.decode.options(stream=True).decode.remote(request, reply)):
+            yield output
+
+
+async def _cancel_on_exit(responses) -> AsyncIterator[RequestOutput]:
+    finished = False
+    try:
+        async for output in responses:
+            finished = output.finished
+            yield output
+    finally:
+        if not finished:
+            responses.cancel()

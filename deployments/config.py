@@ -1,0 +1,44 @@
+"""The application's arguments: typed, validated, and turned into engine settings.
+
+``serve run deployments.app:build_pd_app model=/path max_iter_times=256`` passes strings;
+pydantic converts and checks them, and a bad one stops the build with a message naming it.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import DTYPES, EngineConfig
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("tiny-llama", description="a local Hugging Face model directory, or tiny-llama")
+    prefill_model: str | None = Field(None, description="P's model, if named apart; must be the same model")
+    decode_model: str | None = Field(None, description="D's model, if named apart; must be the same model")
+    served_model_name: str | None = Field(None, description="the name clients use; default: the model's")
+    max_iter_times: int = Field(1024, gt=0, description="server cap on generated tokens per request")
+    dtype: str = Field("float32", description="one of " + ", ".join(DTYPES))
+    device: str = Field("cpu", description="cpu, cuda[:N] or npu[:N]")
+    block_size: int = Field(16, gt=0)
+    num_blocks: int | None = Field(None, gt=0)
+    kv_cache_memory_gb: float = Field(0.5, gt=0)
+    max_num_seqs: int = Field(256, gt=0)
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    max_model_len: int | None = Field(None, gt=0)
+    torch_threads: int | None = Field(None, gt=0, description="intra-op threads per engine replica")
+    max_ongoing_requests: int = Field(256, gt=0, description="concurrent requests per P/D replica")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppArgs":
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}")
+        return self
+
+    def engine_config(self, model: str | None = None) -> EngineConfig:
+        return EngineConfig(
+            model=model or self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
+            num_blocks=self.num_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+            max_iter_times=self.max_iter_times, torch_threads=self.torch_threads)

@@ -1,0 +1,120 @@
+"""The engine deployments: P, D, and both in one (colocated).
+
+Each replica owns one AsyncEngine. ``max_ongoing_requests`` is set high (AppArgs) so that
+the engine's own priority scheduler, not Ray Serve's FIFO routing, orders the requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+import logging
+import time
+from typing import AsyncIterator
+
+import ray
+from ray import serve
+from ray.util import metrics
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.kv_transfer import KVPayload
+from engine.outputs import RequestOutput
+from engine.request import GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInfo:
+    """What the ingress needs to know about the engine behind a deployment."""
+
+    model_path: str
+    model_id: str
+    vocab_size: int
+    max_model_len: int
+    max_iter_times: int
+    node_id: str
+
+
+@dataclass
+class PrefillReply:
+    """P's answer: the first token's output and, unless P finished the request, the handoff
+    for D: the prefill result without its KV bytes, and a reference to those bytes in Ray's
+    object store. The reference sits in a list so that Ray passes it on instead of resolving it."""
+
+    output: RequestOutput
+    kv_ref: list[ray.ObjectRef]
+
+
+class _EngineServer:
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine = AsyncEngine(engine_config)
+
+    def info(self) -> ModelInfo:
+        inner = self.engine.engine
+        return ModelInfo(str(inner.loaded.path), inner.loaded.model_id, inner.vocab_size, inner.max_model_len,
+                         inner.config.max_iter_times, ray.get_runtime_context().get_node_id())
+
+    def stats(self):
+        return self.engine.stats()
+
+    def check_health(self) -> None:
+        """Ray Serve restarts a replica whose engine loop has died."""
+        if not self.engine.is_alive():
+            raise RuntimeError("the engine loop is not running")
+
+    def __del__(self) -> None:
+        self.engine.shutdown()
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1})
+class LLMServer(_EngineServer):
+    """Prefill and decode in one engine: small deployments, and the baseline for PD."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        async for output in self.engine.generate(request):
+            yield output
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1})
+class PrefillServer(_EngineServer):
+    async def prefill(self, request: GenerationRequest) -> PrefillReply:
+        output = await self.engine.prefill(request)
+        if output.prefill is None:  # the first token ended the request
+            return PrefillReply(output, [])
+        result = output.prefill
+        kv_ref = ray.put(result.kv.data)
+        handoff = replace(result, kv=KVPayload(result.kv.meta, None))
+        return PrefillReply(replace(output, prefill=handoff), [kv_ref])
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1})
+class DecodeServer(_EngineServer):
+    def __init__(self, engine_config: EngineConfig) -> None:
+        super().__init__(engine_config)
+        self._kv_bytes = metrics.Counter("pdserve_kv_transfer_bytes_total", "KV bytes imported from prefill")
+        self._kv_ms = metrics.Histogram("pdserve_kv_transfer_ms", "milliseconds to fetch one request's KV",
+                                        boundaries=[0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000])
+        self.transfers = {"count": 0, "bytes": 0, "seconds": 0.0}
+
+    async def decode(self, request: GenerationRequest, reply: PrefillReply) -> AsyncIterator[RequestOutput]:
+        """Fetch P's KV from the object store, import it, and stream the tokens after the first."""
+        start = time.perf_counter()
+        data = await reply.kv_ref[0]  # zero-copy for numpy when the object is on this node
+        seconds = time.perf_counter() - start
+        self._record_transfer(data.nbytes, seconds)
+        prefill = reply.output.prefill
+        prefill = replace(prefill, kv=KVPayload(prefill.kv.meta, data))
+        async for output in self.engine.decode(request, prefill):
+            yield output
+
+    def _record_transfer(self, nbytes: int, seconds: float) -> None:
+        self._kv_bytes.inc(nbytes)
+        self._kv_ms.observe(seconds * 1000.0)
+        self.transfers["count"] += 1
+        self.transfers["bytes"] += nbytes
+        self.transfers["seconds"] += seconds
+
+    def kv_transfers(self) -> dict:
+        """Transfers into this replica so far: count, bytes, seconds."""
+        return dict(self.transfers)

@@ -1,0 +1,55 @@
+"""Starting Ray Serve for real on loopback, and reading its responses."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_session(num_cpus: int = 8, address: str | None = None):
+    """Ray (a fresh local instance, or ``address``) and Serve's HTTP proxy on a free loopback port.
+    Yields the base URL; shuts both down afterwards."""
+    import ray
+    from ray import serve
+
+    port = free_port()
+    if address is None:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(address=address, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    """The JSON objects of a server-sent-event stream, in order."""
+    events = []
+    for block in response.text.split("\n\n"):
+        if block.strip():
+            assert block.startswith("data: "), block
+            events.append(json.loads(block[len("data: "):]))
+    return events
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return False

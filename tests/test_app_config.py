@@ -1,0 +1,58 @@
+"""Application arguments, serve configs and the cluster definition, checked without starting Ray."""
+
+from pathlib import Path
+
+import pydantic
+import pytest
+from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.serve.schema import ServeDeploySchema
+import yaml
+
+from deployments.app import build_colocated_app, build_pd_app
+from tests.models import make_random_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cluster_yaml_passes_rays_validation():
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    validate_config(prepare_config(config))
+    types = config["available_node_types"]
+    assert types["prefill_worker"]["resources"]["prefill"] > 0
+    assert types["decode_worker"]["resources"]["decode"] > 0
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "colocated.yaml", "pd-autoscale.yaml"])
+def test_serve_configs_are_valid_and_loopback(name):
+    config = yaml.safe_load((ROOT / "configs" / name).read_text())
+    ServeDeploySchema.model_validate(config)
+    assert config["http_options"]["host"] == "127.0.0.1"
+
+
+def test_pd_autoscale_puts_p_and_d_on_their_node_types():
+    config = yaml.safe_load((ROOT / "configs" / "pd-autoscale.yaml").read_text())
+    deployments = {d["name"]: d for d in config["applications"][0]["deployments"]}
+    assert deployments["PrefillServer"]["ray_actor_options"]["resources"] == {"prefill": 1}
+    assert deployments["DecodeServer"]["ray_actor_options"]["resources"] == {"decode": 1}
+    for name in ("PrefillServer", "DecodeServer"):
+        scaling = deployments[name]["autoscaling_config"]
+        assert scaling["max_replicas"] > scaling["min_replicas"] >= 1
+        assert deployments[name]["max_ongoing_requests"] > 5
+
+
+def test_builders_take_no_arguments():
+    assert build_pd_app({}) is not None and build_colocated_app({}) is not None
+
+
+def test_builder_arguments_are_typed_and_checked(tmp_path):
+    app = build_pd_app({"max_iter_times": "64", "model": "tiny-llama"})  # strings, as `serve run` passes them
+    assert app is not None
+    with pytest.raises(pydantic.ValidationError, match="max_iter_times"):
+        build_pd_app({"max_iter_times": 0})
+    with pytest.raises(pydantic.ValidationError, match="unknown_option"):
+        build_colocated_app({"unknown_option": 1})
+    with pytest.raises(ValueError, match="local directory"):
+        build_colocated_app({"model": "org/not-here"})
+    other = make_random_model(tmp_path / "other", "llama")
+    with pytest.raises(ValueError, match="prefill_model / decode_model"):
+        build_pd_app({"prefill_model": "tiny-llama", "decode_model": str(other)})

@@ -1,0 +1,131 @@
+"""The PD and colocated apps on a real Ray Serve, over HTTP."""
+
+import httpx
+import pytest
+from ray import serve
+
+from deployments.app import build_colocated_app, build_pd_app
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationRequest
+from sampling import SamplingParams
+from tests.serving import serve_session, sse_events, wait_until
+
+PROMPTS = [[5, 6, 7, 8], list(range(10, 60)), [300, 301], list(range(100, 131))]
+CAP = 5  # max_iter_times of the "cap" apps
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    with serve_session() as url:
+        common = {"torch_threads": 1}
+        serve.run(build_pd_app(common), name="pd", route_prefix="/pd")
+        serve.run(build_colocated_app(common), name="co", route_prefix="/co")
+        serve.run(build_pd_app({**common, "max_iter_times": CAP}), name="pdcap", route_prefix="/pdcap")
+        serve.run(build_colocated_app({**common, "max_iter_times": CAP}), name="cocap", route_prefix="/cocap")
+        yield url
+
+
+def infer(url, app, input_id, stream=False, **parameters):
+    body = {"input_id": input_id, "stream": stream, "parameters": {"details": True, **parameters}}
+    response = httpx.post(f"{url}/{app}/infer_token", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return sse_events(response) if stream else response.json()
+
+
+def stream_tokens(events):
+    return [e["token"]["id"] for e in events]
+
+
+def test_pd_colocated_and_engine_agree_greedy(base_url):
+    engine = LLMEngine(EngineConfig(model="tiny-llama"))
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([GenerationRequest(str(i), p, params) for i, p in enumerate(PROMPTS)])
+    for i, prompt in enumerate(PROMPTS):
+        for app in ("pd", "co"):
+            events = infer(base_url, app, prompt, stream=True, max_new_tokens=12, do_sample=False, ignore_eos=True)
+            assert stream_tokens(events) == expected[str(i)].output_token_ids
+            assert events[-1]["generated_text"] == expected[str(i)].text
+            text = infer(base_url, app, prompt, max_new_tokens=12, do_sample=False, ignore_eos=True)
+            assert text["generated_text"] == expected[str(i)].text
+            assert text["details"]["generated_tokens"] == 12
+
+
+def test_stream_shape_first_event_is_prefill(base_url):
+    events = infer(base_url, "pd", PROMPTS[1], stream=True, max_new_tokens=6, ignore_eos=True, seed=42)
+    assert len(events) == 6
+    assert events[0]["prefill_time"] > 0 and events[0]["decode_time"] is None
+    assert all(e["prefill_time"] is None and e["decode_time"] >= 0 for e in events[1:])
+    assert "generated_text" not in events[0] and "details" not in events[-2]
+    assert events[-1]["details"] == {"finish_reason": "length", "generated_tokens": 6, "seed": 42}
+    assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"]
+
+
+def test_seeded_sampling_matches_between_pd_and_colocated(base_url):
+    runs = [infer(base_url, app, PROMPTS[0], stream=True, max_new_tokens=10, temperature=0.9, top_k=40,
+                  seed=7, ignore_eos=True) for app in ("pd", "co", "pd")]
+    assert stream_tokens(runs[0]) == stream_tokens(runs[1]) == stream_tokens(runs[2])
+
+
+def test_generated_tokens_follow_the_pd_rule(base_url):
+    pd = infer(base_url, "pdcap", PROMPTS[0], max_new_tokens=100, ignore_eos=True)["details"]
+    co = infer(base_url, "cocap", PROMPTS[0], max_new_tokens=100, ignore_eos=True)["details"]
+    assert pd == {**pd, "finish_reason": "length", "generated_tokens": CAP + 1}
+    assert co == {**co, "finish_reason": "length", "generated_tokens": CAP}
+    # A limit from max_new_tokens counts P's token and D's together, in both.
+    pd = infer(base_url, "pdcap", PROMPTS[0], max_new_tokens=3, ignore_eos=True)["details"]
+    assert pd["generated_tokens"] == 3
+
+
+def test_first_token_finishing_at_p_never_reaches_d(base_url):
+    events = infer(base_url, "pd", PROMPTS[0], stream=True, max_new_tokens=1)
+    assert len(events) == 1 and events[0]["prefill_time"] is not None
+    assert events[0]["details"]["generated_tokens"] == 1 and events[0]["details"]["finish_reason"] == "length"
+
+
+def engine_stats(app, deployment):
+    return serve.get_deployment_handle(deployment, app_name=app).stats.remote().result()
+
+
+def test_client_disconnect_frees_blocks_in_p_and_d(base_url):
+    body = {"input_id": PROMPTS[1], "stream": True, "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{base_url}/pd/infer_token", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert wait_until(lambda: engine_stats("pd", "DecodeServer").running == 1, 30)
+    assert wait_until(lambda: engine_stats("pd", "DecodeServer").blocks_used == 0
+                      and engine_stats("pd", "DecodeServer").running == 0, 30)
+    assert engine_stats("pd", "PrefillServer").blocks_used == 0
+
+
+def test_expired_deadline_ends_the_request_and_frees_blocks(base_url):
+    result = infer(base_url, "pd", PROMPTS[1], max_new_tokens=1_000_000, ignore_eos=True, timeout=1)
+    details = result["details"]
+    assert details["finish_reason"] == "stop_sequence" and details["err_msg"] == "request timed out"
+    assert 1 < details["generated_tokens"] < 1024
+    assert engine_stats("pd", "DecodeServer").blocks_used == 0
+
+
+def test_kv_transfers_are_measured(base_url):
+    handle = serve.get_deployment_handle("DecodeServer", app_name="pd")
+    before = handle.kv_transfers.remote().result()
+    infer(base_url, "pd", PROMPTS[1], max_new_tokens=4)
+    after = handle.kv_transfers.remote().result()
+    info = handle.info.remote().result()
+    assert after["count"] == before["count"] + 1
+    # tiny-llama: 4 layers x (k, v) x 50 tokens x 4 KV heads x 32 dims x 4 bytes
+    assert after["bytes"] - before["bytes"] == 4 * 2 * len(PROMPTS[1]) * 4 * 32 * 4
+    assert after["seconds"] > before["seconds"] and info.model_id
+
+
+def test_bad_input_is_a_400_naming_the_field_and_serving_goes_on(base_url):
+    for app in ("pd", "co"):
+        response = httpx.post(f"{base_url}/{app}/infer_token", json={"input_id": [5, 10**5]}, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "input_id"
+        assert infer(base_url, app, [5, 6], max_new_tokens=2)["details"]["generated_tokens"] == 2
+
+
+def test_health(base_url):
+    for app in ("pd", "co"):
+        assert httpx.get(f"{base_url}/{app}/health", timeout=30).json() == {"status": "ok"}
