@@ -21,6 +21,19 @@ def _args(args: AppArgs | dict | None) -> AppArgs:
 
 def build_pd_app(args: AppArgs) -> Application:
     """Ingress -> PrefillServer, then DecodeServer, with the KV passed through the object store."""
+    return pd_app(args)
+
+
+def build_colocated_app(args: AppArgs) -> Application:
+    """Ingress -> LLMServer: prefill and decode in one engine."""
+    return colocated_app(args)
+
+
+def pd_app(args: AppArgs | dict | None = None, prefill_options: dict | None = None,
+           decode_options: dict | None = None) -> Application:
+    """``build_pd_app`` for Python callers, with deployment options for P and D (the keys a
+    serve config's ``deployments:`` section sets: ray_actor_options, autoscaling_config, ...).
+    Ray Serve calls builders with one argument, hence two functions."""
     args = _args(args)
     prefill_model, decode_model = args.prefill_model or args.model, args.decode_model or args.model
     p_id, d_id = (model_fingerprint(resolve_model_dir(m)) for m in (prefill_model, decode_model))
@@ -28,14 +41,15 @@ def build_pd_app(args: AppArgs) -> Application:
         raise ValueError(f"prefill_model / decode_model: P and D must serve the same model, since D continues "
                          f"from P's KV; got {prefill_model!r} and {decode_model!r}")
     options = dict(max_ongoing_requests=args.max_ongoing_requests)
-    prefill = PrefillServer.options(**options).bind(args.engine_config(prefill_model))
-    decode = DecodeServer.options(**options).bind(args.engine_config(decode_model))
+    prefill = PrefillServer.options(**{**options, **(prefill_options or {})}).bind(args.engine_config(prefill_model))
+    decode = DecodeServer.options(**{**options, **(decode_options or {})}).bind(args.engine_config(decode_model))
     return Ingress.bind(args, prefill=prefill, decode=decode)
 
 
-def build_colocated_app(args: AppArgs) -> Application:
-    """Ingress -> LLMServer: prefill and decode in one engine."""
+def colocated_app(args: AppArgs | dict | None = None, llm_options: dict | None = None) -> Application:
+    """``build_colocated_app`` for Python callers, with deployment options for the engine."""
     args = _args(args)
     resolve_model_dir(args.model)
-    llm = LLMServer.options(max_ongoing_requests=args.max_ongoing_requests).bind(args.engine_config())
+    options = dict(max_ongoing_requests=args.max_ongoing_requests, **(llm_options or {}))
+    llm = LLMServer.options(**options).bind(args.engine_config())
     return Ingress.bind(args, llm=llm)

@@ -83,12 +83,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_cache.index_copy_(0, batch.slot_mapping, v)
     out = torch.empty_like(q)
     if batch.decode_rows.numel():
-        # Gather whole blocks (contiguous runs of slots), not slot by slot.
         num_seqs, hkv, d = batch.decode_blocks.shape[0], k_cache.shape[1], k_cache.shape[2]
-        by_block = (-1, batch.block_size, hkv, d)
         q_d = q[batch.decode_rows].unsqueeze(2)  # [Bd, Hq, 1, D]
-        k_d = k_cache.view(by_block)[batch.decode_blocks].view(num_seqs, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, Lmax, D]
-        v_d = v_cache.view(by_block)[batch.decode_blocks].view(num_seqs, -1, hkv, d).transpose(1, 2)
+        k_d = _gather_blocks(k_cache, batch.decode_blocks, batch.block_size).view(num_seqs, -1, hkv, d)
+        v_d = _gather_blocks(v_cache, batch.decode_blocks, batch.block_size).view(num_seqs, -1, hkv, d)
+        k_d, v_d = k_d.transpose(1, 2), v_d.transpose(1, 2)  # [Bd, Hkv, Lmax, D]
         o = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=batch.decode_masks[window], enable_gqa=True)
         out[batch.decode_rows] = o.squeeze(2)
     for chunk in batch.prefills:
@@ -98,8 +97,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if mask is None:  # the chunk is the whole context so far: attend to the fresh K/V
             k_p, v_p = k[rows], v[rows]
         else:
-            k_p, v_p = k_cache[chunk.context_slots], v_cache[chunk.context_slots]  # [ctx, Hkv, D]
+            k_p = k_cache.index_select(0, chunk.context_slots)  # [ctx, Hkv, D]
+            v_p = v_cache.index_select(0, chunk.context_slots)
         o = F.scaled_dot_product_attention(q_p, k_p.transpose(0, 1).unsqueeze(0), v_p.transpose(0, 1).unsqueeze(0),
                                            attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [S, Hkv, D] viewed as blocks; block_tables [B, MB] -> [B * MB, block_size * Hkv * D].
+    Whole blocks are copied as rows with index_select: several times faster on the CPU than
+    advanced indexing slot by slot."""
+    by_block = cache.view(cache.shape[0] // block_size, -1)
+    return by_block.index_select(0, block_tables.flatten())

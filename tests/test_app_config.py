@@ -5,6 +5,8 @@ from pathlib import Path
 import pydantic
 import pytest
 from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.serve import Application
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 import yaml
 
@@ -40,19 +42,24 @@ def test_pd_autoscale_puts_p_and_d_on_their_node_types():
         assert deployments[name]["max_ongoing_requests"] > 5
 
 
-def test_builders_take_no_arguments():
-    assert build_pd_app({}) is not None and build_colocated_app({}) is not None
+def as_serve_run(builder, args: dict):
+    """Call a builder exactly as `serve run module:builder key=value` does."""
+    return call_user_app_builder_with_args_if_necessary(builder, args)
+
+
+@pytest.mark.parametrize("builder", [build_pd_app, build_colocated_app])
+def test_builders_work_as_serve_run_calls_them(builder):
+    assert isinstance(as_serve_run(builder, {}), Application)
+    assert isinstance(as_serve_run(builder, {"max_iter_times": "64", "model": "tiny-llama"}), Application)
 
 
 def test_builder_arguments_are_typed_and_checked(tmp_path):
-    app = build_pd_app({"max_iter_times": "64", "model": "tiny-llama"})  # strings, as `serve run` passes them
-    assert app is not None
     with pytest.raises(pydantic.ValidationError, match="max_iter_times"):
-        build_pd_app({"max_iter_times": 0})
+        as_serve_run(build_pd_app, {"max_iter_times": "0"})
     with pytest.raises(pydantic.ValidationError, match="unknown_option"):
-        build_colocated_app({"unknown_option": 1})
+        as_serve_run(build_colocated_app, {"unknown_option": "1"})
     with pytest.raises(ValueError, match="local directory"):
-        build_colocated_app({"model": "org/not-here"})
+        as_serve_run(build_colocated_app, {"model": "org/not-here"})
     other = make_random_model(tmp_path / "other", "llama")
     with pytest.raises(ValueError, match="prefill_model / decode_model"):
-        build_pd_app({"prefill_model": "tiny-llama", "decode_model": str(other)})
+        as_serve_run(build_pd_app, {"prefill_model": "tiny-llama", "decode_model": str(other)})

@@ -4,7 +4,7 @@ import httpx
 import pytest
 from ray import serve
 
-from deployments.app import build_colocated_app, build_pd_app
+from deployments.app import colocated_app, pd_app
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
@@ -19,10 +19,10 @@ CAP = 5  # max_iter_times of the "cap" apps
 def base_url():
     with serve_session() as url:
         common = {"torch_threads": 1}
-        serve.run(build_pd_app(common), name="pd", route_prefix="/pd")
-        serve.run(build_colocated_app(common), name="co", route_prefix="/co")
-        serve.run(build_pd_app({**common, "max_iter_times": CAP}), name="pdcap", route_prefix="/pdcap")
-        serve.run(build_colocated_app({**common, "max_iter_times": CAP}), name="cocap", route_prefix="/cocap")
+        serve.run(pd_app(common), name="pd", route_prefix="/pd")
+        serve.run(colocated_app(common), name="co", route_prefix="/co")
+        serve.run(pd_app({**common, "max_iter_times": CAP}), name="pdcap", route_prefix="/pdcap")
+        serve.run(colocated_app({**common, "max_iter_times": CAP}), name="cocap", route_prefix="/cocap")
         yield url
 
 

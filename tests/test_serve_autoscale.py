@@ -1,0 +1,57 @@
+"""D scales out under a bounded burst and back to its minimum after it, with no request failing."""
+
+import asyncio
+
+import httpx
+import pytest
+from ray import serve
+
+from deployments.app import pd_app
+from tests.serving import serve_session, sse_events, wait_until
+
+pytestmark = pytest.mark.slow
+
+BURST = 16
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "metrics_interval_s": 0.5,
+               "look_back_period_s": 1.0, "upscale_delay_s": 0.5, "downscale_delay_s": 3.0}
+
+
+def running_replicas(deployment: str) -> int:
+    status = serve.status().applications["pd"].deployments[deployment]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def test_decode_scales_out_and_back():
+    with serve_session() as url:
+        app = pd_app({"torch_threads": 1},
+                           decode_options={"autoscaling_config": AUTOSCALING, "ray_actor_options": {"num_cpus": 1}})
+        serve.run(app, name="pd", route_prefix="/pd")
+        assert running_replicas("DecodeServer") == 1
+        peak = 0
+
+        async def one(client, i):
+            body = {"input_id": [5 + i, 6, 7], "stream": True,
+                    "parameters": {"max_new_tokens": 600, "ignore_eos": True, "seed": i + 1}}
+            response = await client.post(f"{url}/pd/infer_token", json=body)
+            return response.status_code, sse_events(response)
+
+        async def watch(done):
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, running_replicas("DecodeServer"))
+                await asyncio.sleep(0.25)
+
+        async def burst():
+            done = asyncio.Event()
+            watcher = asyncio.create_task(watch(done))
+            async with httpx.AsyncClient(timeout=300) as client:
+                results = await asyncio.gather(*(one(client, i) for i in range(BURST)))
+            done.set()
+            await watcher
+            return results
+
+        results = asyncio.run(burst())
+        assert all(status == 200 for status, _ in results)
+        assert all(events[-1]["details"]["generated_tokens"] == 600 for _, events in results)
+        assert peak >= 2, "the burst should have scaled D out"
+        assert wait_until(lambda: running_replicas("DecodeServer") == 1, timeout_s=90)
