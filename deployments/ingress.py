@@ -7,6 +7,7 @@ One FastAPI app behind ``@serve.ingress``; it holds handles to the engine deploy
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import AsyncIterator
 import uuid
@@ -77,20 +78,25 @@ class Ingress:
         if body.stream:
             return StreamingResponse(self._infer_token_events(first, stream, body, arrival),
                                      media_type="text/event-stream")
-        outputs = [first] + [output async for output in stream]
+        try:
+            outputs = [first] + [output async for output in stream]
+        finally:
+            await stream.aclose()  # on a cancelled request, cancels the engines' call at once
         return mindie.text_response(outputs, body)
 
     async def _infer_token_events(self, first: RequestOutput, stream: AsyncIterator[RequestOutput],
                                   body: mindie.InferTokenRequest, arrival: float) -> AsyncIterator[str]:
-        yield mindie.stream_event(first, body, True, (time.time() - arrival) * 1000.0)
-        last = time.perf_counter()
         try:
+            yield mindie.stream_event(first, body, True, (time.time() - arrival) * 1000.0)
+            last = time.perf_counter()
             async for output in stream:
                 now = time.perf_counter()
                 yield mindie.stream_event(output, body, False, (now - last) * 1000.0)
                 last = now
         except Exception as error:  # the stream has begun: end it with an error event
             yield f"data: {error_event(root_cause(error))}\n\n"
+        finally:
+            await stream.aclose()  # a client that went away cancels the engines' call at once
 
     @app.get("/health")
     async def health(self):
@@ -114,6 +120,4 @@ class Ingress:
 
 
 def error_event(error: BaseException) -> str:
-    import json
-
     return json.dumps({"error": {"message": str(error), "type": "server_error", "param": None, "code": "stream_error"}})

@@ -80,14 +80,13 @@ class Scheduler:
             budget -= n
         # Running requests that lost blocks this step come before anything new.
         if len(batch.preempted) == preempted_for_waiting:
-            budget = self._admit(batch, budget)
+            self._admit(batch, budget)
         return batch
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> int:
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
-            cached = seq.pending_kv.meta.num_tokens if seq.pending_kv is not None else 0
-            n = min(seq.num_tokens - cached, budget)
+            cached, n = self._first_chunk(seq, budget)
             if self.blocks.blocks_needed(seq, cached + n) > self.blocks.num_free:
                 break
             heapq.heappop(self._waiting)
@@ -99,7 +98,12 @@ class Scheduler:
             self.running.append(seq)
             batch.entries.append((seq, n))
             budget -= n
-        return budget
+
+    @staticmethod
+    def _first_chunk(seq: Sequence, budget: int) -> tuple[int, int]:
+        """(tokens whose KV arrives imported, tokens to compute now) for a waiting sequence."""
+        cached = seq.pending_kv.meta.num_tokens if seq.pending_kv is not None else 0
+        return cached, min(seq.num_tokens - cached, budget)
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Preempt until ``seq`` can grow by n tokens; False if ``seq`` itself was preempted."""
@@ -115,8 +119,7 @@ class Scheduler:
         if not self._waiting:
             return
         head = self._waiting[0][1]
-        cached = head.pending_kv.meta.num_tokens if head.pending_kv is not None else 0
-        n = min(head.num_tokens - cached, self.max_num_batched_tokens)
+        cached, n = self._first_chunk(head, self.max_num_batched_tokens)
         while self.blocks.blocks_needed(head, cached + n) > self.blocks.num_free:
             lower = [s for s in self.running if s.priority > head.priority]
             if not lower:

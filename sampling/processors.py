@@ -44,11 +44,13 @@ def _counts(sequences: list[list[int]], vocab: int, device: torch.device) -> tor
 
 
 def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Add each row's {token id: bias} in one scatter over the whole batch."""
     rows = batch.rows_where(lambda p: bool(p.logit_bias))
-    for i in rows:
-        bias = batch.rows[i].params.logit_bias
-        ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
-        logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device))
+    if not rows:
+        return
+    biases = [(i, token, value) for i in rows for token, value in batch.rows[i].params.logit_bias.items()]
+    row_ids, token_ids, values = (torch.tensor(col, device=logits.device) for col in zip(*biases))
+    logits.index_put_((row_ids, token_ids), values.to(logits.dtype), accumulate=True)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, batch: SamplingBatch) -> None:
