@@ -11,6 +11,7 @@ from ray.serve import Application
 
 from deployments.config import AppArgs
 from deployments.ingress import Ingress
+from deployments.embeddings import EmbeddingServer
 from deployments.servers import DecodeServer, LLMServer, PrefillServer
 from engine.loader import model_fingerprint, resolve_model_dir
 
@@ -43,7 +44,7 @@ def pd_app(args: AppArgs | dict | None = None, prefill_options: dict | None = No
     options = dict(max_ongoing_requests=args.max_ongoing_requests)
     prefill = PrefillServer.options(**{**options, **(prefill_options or {})}).bind(args.engine_config(prefill_model))
     decode = DecodeServer.options(**{**options, **(decode_options or {})}).bind(args.engine_config(decode_model))
-    return Ingress.bind(args, prefill=prefill, decode=decode)
+    return Ingress.bind(args, prefill=prefill, decode=decode, embedder=_embedder(args))
 
 
 def colocated_app(args: AppArgs | dict | None = None, llm_options: dict | None = None) -> Application:
@@ -52,4 +53,8 @@ def colocated_app(args: AppArgs | dict | None = None, llm_options: dict | None =
     resolve_model_dir(args.model)
     options = dict(max_ongoing_requests=args.max_ongoing_requests, **(llm_options or {}))
     llm = LLMServer.options(**options).bind(args.engine_config())
-    return Ingress.bind(args, llm=llm)
+    return Ingress.bind(args, llm=llm, embedder=_embedder(args))
+
+
+def _embedder(args: AppArgs):
+    return EmbeddingServer.bind() if args.embeddings else None

@@ -58,3 +58,37 @@ async def _cancel_on_exit(responses) -> AsyncIterator[RequestOutput]:
     finally:
         if not finished:
             responses.cancel()
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams (the n choices of one request) as their outputs arrive:
+    (stream index, output). An error in one stream ends them all; leaving early closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((i, output))
+        except Exception as error:
+            await queue.put((i, error))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

@@ -6,6 +6,8 @@ pydantic converts and checks them, and a bad one stops the build with a message 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import DTYPES, EngineConfig
@@ -29,6 +31,10 @@ class AppArgs(BaseModel):
     max_model_len: int | None = Field(None, gt=0)
     torch_threads: int | None = Field(None, gt=0, description="intra-op threads per engine replica")
     max_ongoing_requests: int = Field(256, gt=0, description="concurrent requests per P/D replica")
+    finish_reasons: Literal["openai", "mindie"] = Field(
+        "openai", description="finish_reason values on /v1: OpenAI's (stop, length) or MindIE's")
+    max_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get a 413")
+    embeddings: bool = Field(True, description="serve /v1/embeddings (all-MiniLM-L6-v2) in its own deployment")
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":

@@ -1,27 +1,34 @@
 """The HTTP ingress: validates requests and streams the engines' tokens back.
 
 One FastAPI app behind ``@serve.ingress``; it holds handles to the engine deployments
-(deployments/backends.py) and never runs a model itself.
+(deployments/backends.py) and to the embeddings deployment, and never runs a model itself.
+Dialects: MindIE's /infer_token (deployments/mindie.py) and the OpenAI-compatible /v1 API
+(deployments/openai_api.py).
 """
 
-from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from typing import AsyncIterator
 import uuid
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+import numpy as np
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from ray import serve
+from transformers import AutoTokenizer
 
 from deployments import mindie
-from deployments.backends import ColocatedBackend, PDBackend
+from deployments.backends import ColocatedBackend, PDBackend, merge
 from deployments.config import AppArgs
 from deployments.errors import APIError, error_response, from_value_error, on_api_error, on_validation_error, \
     root_cause
+from deployments.metrics import IngressMetrics
+from deployments.openai_api import Choice, OpenAIFrontend, now_seconds
+from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from deployments.servers import ModelInfo
 from engine.outputs import TIMEOUT, RequestOutput
 
@@ -30,15 +37,75 @@ app.add_exception_handler(APIError, on_api_error)
 app.add_exception_handler(RequestValidationError, on_validation_error)
 
 HEALTH_TIMEOUT_S = 5.0
+SSE = "text/event-stream"
+
+
+@app.middleware("http")
+async def limit_and_count(request: Request, call_next):
+    """413 for bodies over the cap; count every request by endpoint, status and priority."""
+    limit = request.app.state.max_body_bytes
+    declared = request.headers.get("content-length")
+    too_big = int(declared) > limit if declared and declared.isdigit() else len(await request.body()) > limit
+    if too_big:
+        response = error_response(413, f"the request body exceeds {limit} bytes", None, "body_too_large")
+    else:
+        response = await call_next(request)
+    metrics: IngressMetrics = request.app.state.metrics
+    metrics.requests.labels(request.url.path, str(response.status_code),
+                            str(getattr(request.state, "priority", "-"))).inc()
+    return response
+
+
+# Helpers the Ingress calls are defined above it: the class is captured when @serve.ingress runs,
+# and functions defined further down were missing in the replica (NameError).
+
+
+async def prepend_first(first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """The first output, then the rest of its stream."""
+    try:
+        yield first
+        if not first.finished:
+            async for output in stream:
+                yield output
+    finally:
+        await stream.aclose()
+
+
+async def collect_choices(streams, choices: list[Choice], fail_on_timeout: bool) -> None:
+    merged = merge(streams)
+    try:
+        async for i, output in merged:
+            choices[i].outputs.append(output)
+    finally:
+        await merged.aclose()
+    if fail_on_timeout and any(c.final.finish_reason == TIMEOUT for c in choices):
+        raise APIError(408, "the request's timeout passed before it finished", "timeout", "timeout")
+
+
+def encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return vector
+
+
+def error_event(error: BaseException) -> str:
+    return json.dumps({"error": {"message": str(error), "type": "server_error", "param": None, "code": "stream_error"}})
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, args: AppArgs, llm=None, prefill=None, decode=None) -> None:
+    def __init__(self, args: AppArgs, llm=None, prefill=None, decode=None, embedder=None) -> None:
         self.args = args
         self.backend = ColocatedBackend(llm) if llm is not None else PDBackend(prefill, decode)
+        self.embedder = embedder
+        self.metrics = IngressMetrics()
+        app.state.metrics = self.metrics
+        app.state.max_body_bytes = args.max_body_bytes
         self._info: ModelInfo | None = None
+        self._frontend: OpenAIFrontend | None = None
+
+    # ---- the engines -------------------------------------------------------------------
 
     async def model_info(self) -> ModelInfo:
         if self._info is None:
@@ -48,15 +115,26 @@ class Ingress:
             self._info = infos[0]
         return self._info
 
-    async def start(self, request) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+    async def frontend(self) -> OpenAIFrontend:
+        if self._frontend is None:
+            info = await self.model_info()
+            tokenizer = AutoTokenizer.from_pretrained(info.model_path, local_files_only=True)
+            self._frontend = OpenAIFrontend(tokenizer, self.served_model_name(info), info.vocab_size,
+                                            info.max_model_len, info.max_iter_times, self.args.finish_reasons)
+        return self._frontend
+
+    def served_model_name(self, info: ModelInfo) -> str:
+        """``served_model_name``, else the last part of ``model`` ("tiny-llama", "Qwen3-0.6B")."""
+        return self.args.served_model_name or self.args.model.rstrip("/").rsplit("/", 1)[-1]
+
+    async def start(self, request, arrival: float) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Send a request to the engines and wait for its first output: errors and a deadline
         that passes before the first token become HTTP errors before any byte is sent."""
-        stream = self.backend.stream(request)
+        stream = self.metrics.timed(self.backend.stream(request), arrival)
         try:
             first = await stream.__anext__()
-        except ValueError as error:
-            raise from_value_error(error) from None
         except Exception as error:
+            await stream.aclose()
             cause = root_cause(error)
             if isinstance(cause, ValueError):
                 raise from_value_error(cause) from None
@@ -65,8 +143,22 @@ class Ingress:
             raise APIError(408, "the request's timeout passed before its first token", "timeout", "timeout")
         return first, stream
 
+    async def start_all(self, choices: list[Choice], arrival: float) -> list[AsyncIterator[RequestOutput]]:
+        """Start every choice; if one fails, cancel the others and raise its error."""
+        started = await asyncio.gather(*(self.start(c.request, arrival) for c in choices), return_exceptions=True)
+        errors = [s for s in started if isinstance(s, BaseException)]
+        if errors:
+            for s in started:
+                if not isinstance(s, BaseException):
+                    await s[1].aclose()
+            raise errors[0]
+        return [prepend_first(first, stream) for first, stream in started]
+
+    # ---- MindIE ------------------------------------------------------------------------
+
     @app.post("/infer_token")
-    async def infer_token(self, body: mindie.InferTokenRequest):
+    async def infer_token(self, body: mindie.InferTokenRequest, http: Request):
+        http.state.priority = body.parameters.priority
         info = await self.model_info()
         arrival = time.time()
         try:
@@ -74,10 +166,9 @@ class Ingress:
                                                    arrival + body.parameters.timeout, info.vocab_size)
         except ValueError as error:
             raise from_value_error(error) from None
-        first, stream = await self.start(request)
+        first, stream = await self.start(request, arrival)
         if body.stream:
-            return StreamingResponse(self._infer_token_events(first, stream, body, arrival),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._infer_token_events(first, stream, body, arrival), media_type=SSE)
         try:
             outputs = [first] + [output async for output in stream]
         finally:
@@ -98,12 +189,88 @@ class Ingress:
         finally:
             await stream.aclose()  # a client that went away cancels the engines' call at once
 
+    # ---- OpenAI ------------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, http: Request):
+        http.state.priority = body.priority
+        front = await self.frontend()
+        arrival = time.time()
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = front.chat_choices(body, response_id, arrival + body.timeout)
+        streams = await self.start_all(choices, arrival)
+        created = now_seconds()
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._openai_events(
+                streams, choices, lambda i, o: front.chat_chunk(response_id, created, choices[i].index, o),
+                (lambda: front.usage_chunk(response_id, created, choices, "chat.completion.chunk"))
+                if include_usage else None)
+            return StreamingResponse(events, media_type=SSE)
+        await collect_choices(streams, choices, fail_on_timeout=True)
+        return front.chat_response(response_id, choices, created)
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, http: Request):
+        http.state.priority = body.priority
+        front = await self.frontend()
+        arrival = time.time()
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        choices = front.completion_choices(body, response_id, arrival + body.timeout)
+        streams = await self.start_all(choices, arrival)
+        created = now_seconds()
+        if body.stream:
+            sent_prefix: set[int] = set()
+
+            def chunk(i: int, output: RequestOutput) -> str:
+                prefix = "" if i in sent_prefix else choices[i].prefix
+                sent_prefix.add(i)
+                return front.completion_chunk(response_id, created, choices[i].index, output, prefix, body.suffix)
+
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._openai_events(streams, choices, chunk,
+                                         (lambda: front.usage_chunk(response_id, created, choices, "text_completion"))
+                                         if include_usage else None)
+            return StreamingResponse(events, media_type=SSE)
+        await collect_choices(streams, choices, fail_on_timeout=body.error_behavior == "error")
+        return front.completion_response(response_id, choices, created, body.suffix)
+
+    async def _openai_events(self, streams, choices: list[Choice], chunk, usage_chunk) -> AsyncIterator[str]:
+        merged = merge(streams)
+        try:
+            async for i, output in merged:
+                choices[i].outputs.append(output)
+                yield chunk(i, output)
+            if usage_chunk is not None:
+                yield usage_chunk()
+            yield "data: [DONE]\n\n"
+        except Exception as error:  # the stream has begun: end it with an error event
+            yield f"data: {error_event(root_cause(error))}\n\n"
+        finally:
+            await merged.aclose()
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, body: EmbeddingRequest):
+        if self.embedder is None:
+            raise APIError(404, "embeddings are not served by this application", "model", "model_not_found")
+        name = await self.embedder.info.remote()
+        if body.model is not None and body.model != name:
+            raise APIError(404, f"model: {body.model!r} is not served here; embeddings are {name!r}", "model",
+                           "model_not_found")
+        result = await self.embedder.embed.remote(body.texts())
+        return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "model": name,
+                "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(v, body.encoding_format)}
+                         for i, v in enumerate(result.vectors)],
+                "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
+
+    # ---- operations --------------------------------------------------------------------
+
     @app.get("/health")
     async def health(self):
         """200 when every engine deployment answers; 503 otherwise."""
+        handles = [*self.backend.handles.values(), *([self.embedder] if self.embedder else [])]
         try:
-            await asyncio.wait_for(asyncio.gather(*(h.info.remote() for h in self.backend.handles.values())),
-                                   HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.gather(*(h.info.remote() for h in handles)), HEALTH_TIMEOUT_S)
         except Exception as error:
             return error_response(503, f"engines not ready: {type(root_cause(error)).__name__}", code="not_ready")
         return {"status": "ok"}
@@ -111,13 +278,13 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self):
         info = await self.model_info()
-        return {"object": "list", "data": [{"id": self.served_model_name(info), "object": "model",
-                                            "created": 0, "owned_by": "pdserve",
-                                            "max_model_len": info.max_model_len}]}
+        data = [{"id": self.served_model_name(info), "object": "model", "created": 0, "owned_by": "pdserve",
+                 "max_model_len": info.max_model_len}]
+        if self.embedder is not None:
+            data.append({"id": await self.embedder.info.remote(), "object": "model", "created": 0,
+                         "owned_by": "pdserve"})
+        return {"object": "list", "data": data}
 
-    def served_model_name(self, info: ModelInfo) -> str:
-        return self.args.served_model_name or self.args.model.rstrip("/").rsplit("/", 1)[-1]
-
-
-def error_event(error: BaseException) -> str:
-    return json.dumps({"error": {"message": str(error), "type": "server_error", "param": None, "code": "stream_error"}})
+    @app.get("/metrics")
+    async def prometheus(self):
+        return Response(await self.metrics.render(self.backend.handles), media_type="text/plain; version=0.0.4")
