@@ -51,7 +51,8 @@ async def limit_and_count(request: Request, call_next):
     else:
         response = await call_next(request)
     metrics: IngressMetrics = request.app.state.metrics
-    metrics.requests.labels(request.url.path, str(response.status_code),
+    route = request.scope.get("route")  # the matched route's template: bounded label values
+    metrics.requests.labels(route.path if route else "unmatched", str(response.status_code),
                             str(getattr(request.state, "priority", "-"))).inc()
     return response
 

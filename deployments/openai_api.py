@@ -45,8 +45,11 @@ class OpenAIFrontend:
         self.served_model_name = served_model_name
         self.vocab_size = vocab_size
         self.max_iter_times = max_iter_times
-        # SPEC §2: the prompt may use what the model's length leaves after max_iter_times.
-        self.max_prompt_tokens = max(1, max_model_len - max_iter_times)
+        # SPEC §2: the prompt may use what the model's length leaves after max_iter_times. A cap
+        # at or above the model's length would leave nothing: then any prompt up to length - 1
+        # is taken, and generation stops at the model's length (finish_reason "length").
+        gap = max_model_len - max_iter_times
+        self.max_prompt_tokens = gap if gap > 0 else max_model_len - 1
         self.finish_reasons = MINDIE_FINISH if finish_reasons == "mindie" else OPENAI_FINISH
 
     # ---- requests in -------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 import shutil
 
@@ -22,14 +23,15 @@ ARCHITECTURES = {
 }
 
 
-def make_random_model(directory: Path, architecture: str, seed: int = 0) -> Path:
-    """A random model of ``architecture`` with tiny-llama's tokenizer, saved to ``directory``."""
+def make_random_model(directory: Path, architecture: str, seed: int = 0, vocab_size: int | None = None) -> Path:
+    """A random model of ``architecture`` with tiny-llama's tokenizer, saved to ``directory``.
+    ``vocab_size`` larger than the tokenizer's gives ids that decode to no text."""
     tokenizer_dir = ensure_tiny_model()
     directory.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, directory / name)
-    vocab = len(__import__("json").loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    vocab = vocab_size or len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
     config = ARCHITECTURES[architecture](vocab)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

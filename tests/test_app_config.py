@@ -63,3 +63,18 @@ def test_builder_arguments_are_typed_and_checked(tmp_path):
     other = make_random_model(tmp_path / "other", "llama")
     with pytest.raises(ValueError, match="prefill_model / decode_model"):
         as_serve_run(build_pd_app, {"prefill_model": "tiny-llama", "decode_model": str(other)})
+
+
+@pytest.mark.parametrize("style,expected", [("openai", ["stop", "stop", "length"]),
+                                            ("mindie", ["eos_token", "stop_sequence", "length"])])
+def test_finish_reason_style_on_v1(style, expected):
+    from transformers import AutoTokenizer
+
+    from deployments.openai_api import OpenAIFrontend
+    from engine.outputs import RequestOutput
+    from engine.tiny_model import ensure_tiny_model
+
+    front = OpenAIFrontend(AutoTokenizer.from_pretrained(ensure_tiny_model()), "m", 891, 4096, 1024, style)
+    reasons = [front.finish_reason(RequestOutput("r", [], "", 1, True, reason, 1))
+               for reason in ("eos_token", "stop_sequence", "length")]
+    assert reasons == expected
