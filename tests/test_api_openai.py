@@ -216,3 +216,14 @@ def test_body_over_the_cap_is_a_413(base_url):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (5 << 20)}]}
     response = httpx.post(f"{base_url}/pd/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+
+
+def test_openapi_documents_fields_with_ranges(base_url):
+    schema = httpx.get(f"{base_url}/pd/openapi.json", timeout=30).json()
+    assert {"/infer_token", "/v1/chat/completions", "/v1/completions", "/v1/embeddings"} <= set(schema["paths"])
+    components = schema["components"]["schemas"]
+    top_p = components["InferParameters"]["properties"]["top_p"]["anyOf"][0]
+    assert top_p["exclusiveMinimum"] == 0.0 and top_p["exclusiveMaximum"] == 1.0
+    temperature = components["ChatCompletionRequest"]["properties"]["temperature"]
+    assert temperature["minimum"] == 0.0 and temperature["maximum"] == 2.0
+    assert components["InferParameters"]["properties"]["priority"]["maximum"] == 5
