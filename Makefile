@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: a looser range would pull the CUDA build (several GB).
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,bench]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,202 @@
+"""Load-test a running pdserve server over HTTP (console script: pdserve-loadtest).
+
+Open loop at --request-rate (Poisson; --burstiness for gamma arrivals) or closed loop at
+--concurrency; bounded by --num-requests and --duration. Streams every request and reports
+TTFT, TPOT, ITL and E2E latency (mean, median, p90, p99), throughput, goodput, errors by
+status, all of it per priority too, with vLLM's JSON field names (`vllm bench serve`).
+
+    pdserve-loadtest --endpoint infer_token --request-rate 4 --num-requests 100 \\
+        --input-len 64:256 --output-len 32 --priority-mix 1:0.2,5:0.8 --json out.json --plot plots/
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+from pathlib import Path
+import socket
+import sys
+import time
+from urllib.parse import urlparse
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.clients import ENDPOINTS, Result, send  # noqa: E402
+from benchmarks.loadgen import Work, arrival_gaps, workloads  # noqa: E402
+from benchmarks.stats import parse_goodput, per_priority, summarize  # noqa: E402
+
+
+def check_loopback(base_url: str) -> None:
+    """Load goes to this machine only, unless --allow-remote says otherwise."""
+    host = urlparse(base_url).hostname or ""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror as error:
+        raise SystemExit(f"--base-url: cannot resolve {host!r}: {error}") from None
+    if not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        raise SystemExit(f"--base-url: {host} is not a loopback address; pass --allow-remote to load another host")
+
+
+async def run_load(args: argparse.Namespace, work: list[Work], rate: float) -> tuple[list[Result], float]:
+    """Send ``work``; return the measured (non-warm-up) results and the measured duration."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.base_url, limits=limits, timeout=args.timeout + 30) as client:
+        warm = [w for w in work if w.warmup]
+        if warm:
+            await asyncio.gather(*(send(client, args.endpoint, w, args.model, args.timeout) for w in warm))
+        measured = [w for w in work if not w.warmup]
+        progress = _progress(len(measured), args.quiet)
+        start = time.perf_counter()
+        deadline = start + args.duration
+        if args.concurrency:
+            results = await _closed_loop(client, args, measured, deadline, progress)
+        else:
+            results = await _open_loop(client, args, measured, rate, deadline, progress)
+        duration = time.perf_counter() - start
+        progress.close()
+    return results, duration
+
+
+async def _open_loop(client, args, work: list[Work], rate: float, deadline: float, progress) -> list[Result]:
+    gaps = arrival_gaps(rate, args.burstiness, args.seed)
+    limit = asyncio.Semaphore(args.max_concurrency or len(work) or 1)
+    tasks = []
+
+    async def one(w: Work) -> Result:
+        async with limit:
+            result = await send(client, args.endpoint, w, args.model, args.timeout)
+        progress.update(1)
+        return result
+
+    for w in work:
+        if time.perf_counter() >= deadline:
+            break
+        tasks.append(asyncio.create_task(one(w)))
+        await asyncio.sleep(next(gaps))
+    return list(await asyncio.gather(*tasks))
+
+
+async def _closed_loop(client, args, work: list[Work], deadline: float, progress) -> list[Result]:
+    pending = iter(work)
+    results: list[Result] = []
+
+    async def worker() -> None:
+        for w in pending:  # shared iterator: each request is sent once
+            if time.perf_counter() >= deadline:
+                return
+            results.append(await send(client, args.endpoint, w, args.model, args.timeout))
+            progress.update(1)
+
+    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    return results
+
+
+def _progress(total: int, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=quiet, unit="req", file=sys.stderr)
+
+
+def build_result(args, results: list[Result], duration: float, rate: float) -> dict:
+    goodput = parse_goodput(args.goodput)
+    return {"endpoint": args.endpoint, "request_rate": rate, "burstiness": args.burstiness,
+            "max_concurrency": args.concurrency or args.max_concurrency, "num_prompts": len(results),
+            **summarize(results, duration, goodput), "per_priority": per_priority(results, duration, goodput)}
+
+
+def print_table(result: dict) -> None:
+    rows = [("Successful requests", result["completed"]), ("Failed requests", result["failed"]),
+            ("Benchmark duration (s)", result["duration"]), ("Request throughput (req/s)", result["request_throughput"]),
+            ("Output token throughput (tok/s)", result["output_throughput"])]
+    if "request_goodput" in result:
+        rows.append(("Request goodput (req/s)", result["request_goodput"]))
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p90", "p99"):
+            rows.append((f"{stat.capitalize()} {metric.upper()} (ms)", result[f"{stat}_{metric}_ms"]))
+    print(f"{' Serving Benchmark Result ':=^52}")
+    for name, value in rows:
+        print(f"{name:<38}{value:>14.2f}" if isinstance(value, float) else f"{name:<38}{value:>14}")
+    if result["errors"]:
+        print(f"{'Errors by status':<38}{json.dumps(result['errors']):>14}")
+    if len(result["per_priority"]) > 1:
+        print(f"{'priority':<10}{'completed':>10}{'p50 TTFT':>12}{'p99 TTFT':>12}{'p99 TPOT':>12}")
+        for p, r in result["per_priority"].items():
+            print(f"{p:<10}{r['completed']:>10}{r['median_ttft_ms']:>12.1f}{r['p99_ttft_ms']:>12.1f}"
+                  f"{r['p99_tpot_ms']:>12.1f}")
+    print("=" * 52)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve-loadtest", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --base-url")
+    p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="infer_token")
+    p.add_argument("--model", default="tiny-llama", help="model name for /v1 endpoints")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (open loop); inf: all at once")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 is Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (open loop)")
+    p.add_argument("--concurrency", type=int, default=None, help="closed loop with this many clients")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--duration", type=float, default=300.0, help="stop sending after this many seconds")
+    p.add_argument("--input-len", default="128", help="N or LOW:HIGH (uniform)")
+    p.add_argument("--output-len", default="64", help="N or LOW:HIGH (uniform)")
+    p.add_argument("--dataset", type=Path, help='JSONL: {"prompt" or "input_ids", "output_len"} per line')
+    p.add_argument("--token-range", default="3:800", help="LOW:HIGH of random prompt token ids")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--priority-mix", default=None, help="e.g. 1:0.2,5:0.8")
+    p.add_argument("--timeout", type=int, default=600, help="per-request timeout (s), sent to the server too")
+    p.add_argument("--warmup", type=int, default=2, help="requests sent first and left out of the results")
+    p.add_argument("--goodput", nargs="*", help="SLOs: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--sweep", default=None, help="comma-separated request rates, run one after another")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path, help="directory for PNG plots")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    for name in ("num_requests", "concurrency", "max_concurrency", "warmup"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "warmup" else 1):
+            p.error(f"--{name.replace('_', '-')}: must be positive")
+    if args.request_rate <= 0 or args.duration <= 0 or args.burstiness <= 0:
+        p.error("--request-rate, --duration and --burstiness must be > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if not args.allow_remote:
+        check_loopback(args.base_url)
+    low, high = (int(x) for x in args.token_range.split(":"))
+    rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.request_rate]
+    runs = []
+    for i, rate in enumerate(rates):
+        work = workloads(args.num_requests, args.input_len, args.output_len, args.seed + i, args.priority_mix,
+                         (low, high), args.dataset, args.warmup)
+        results, duration = asyncio.run(run_load(args, work, rate))
+        run = build_result(args, results, duration, rate)
+        run["_results"] = results
+        runs.append(run)
+        if not args.quiet:
+            print_table(run)
+    if args.plot:
+        from benchmarks.plots import write_plots
+
+        write_plots(args.plot, runs)
+    for run in runs:
+        run.pop("_results")
+    output = runs[0] if len(runs) == 1 else {"sweep": runs}
+    if args.json:
+        args.json.write_text(json.dumps(output, indent=2))
+    return output
+
+
+def entry_point() -> None:
+    main()
+
+
+if __name__ == "__main__":
+    entry_point()
