@@ -194,47 +194,34 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, http: Request):
-        http.state.priority = body.priority
-        front = await self.frontend()
-        arrival = time.time()
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = front.chat_choices(body, response_id, arrival + body.timeout)
-        streams = await self.start_all(choices, arrival)
-        created = now_seconds()
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._openai_events(
-                streams, choices, lambda i, o: front.chat_chunk(response_id, created, choices[i].index, o),
-                (lambda: front.usage_chunk(response_id, created, choices, "chat.completion.chunk"))
-                if include_usage else None)
-            return StreamingResponse(events, media_type=SSE)
-        await collect_choices(streams, choices, fail_on_timeout=True)
-        return front.chat_response(response_id, choices, created)
+        return await self._openai(body, http, chat=True)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, http: Request):
+        return await self._openai(body, http, chat=False)
+
+    async def _openai(self, body: ChatCompletionRequest | CompletionRequest, http: Request, chat: bool):
+        """Chat and completions alike: make the choices, start them (errors before any byte),
+        then stream chunks or collect the whole response."""
         http.state.priority = body.priority
         front = await self.frontend()
         arrival = time.time()
-        response_id = f"cmpl-{uuid.uuid4().hex}"
-        choices = front.completion_choices(body, response_id, arrival + body.timeout)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        make_choices = front.chat_choices if chat else front.completion_choices
+        choices = make_choices(body, response_id, arrival + body.timeout)
         streams = await self.start_all(choices, arrival)
         created = now_seconds()
-        if body.stream:
-            sent_prefix: set[int] = set()
-
-            def chunk(i: int, output: RequestOutput) -> str:
-                prefix = "" if i in sent_prefix else choices[i].prefix
-                sent_prefix.add(i)
-                return front.completion_chunk(response_id, created, choices[i].index, output, prefix, body.suffix)
-
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._openai_events(streams, choices, chunk,
-                                         (lambda: front.usage_chunk(response_id, created, choices, "text_completion"))
-                                         if include_usage else None)
-            return StreamingResponse(events, media_type=SSE)
-        await collect_choices(streams, choices, fail_on_timeout=body.error_behavior == "error")
-        return front.completion_response(response_id, choices, created, body.suffix)
+        if not body.stream:
+            await collect_choices(streams, choices, fail_on_timeout=chat or body.error_behavior == "error")
+            if chat:
+                return front.chat_response(response_id, choices, created)
+            return front.completion_response(response_id, choices, created, body.suffix)
+        chunk = front.chunker(response_id, created, choices, None if chat else body.suffix)
+        usage = None
+        if body.stream_options and body.stream_options.include_usage:
+            object_name = "chat.completion.chunk" if chat else "text_completion"
+            usage = lambda: front.usage_chunk(response_id, created, choices, object_name)  # noqa: E731
+        return StreamingResponse(self._openai_events(streams, choices, chunk, usage), media_type=SSE)
 
     async def _openai_events(self, streams, choices: list[Choice], chunk, usage_chunk) -> AsyncIterator[str]:
         merged = merge(streams)

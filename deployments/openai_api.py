@@ -171,6 +171,20 @@ class OpenAIFrontend:
                   else None, "finish_reason": self.finish_reason(output) if output.finished else None}
         return self._chunk(response_id, "text_completion", created, [choice])
 
+    def chunker(self, response_id: str, created: int, choices: list[Choice], suffix: str | None):
+        """chunk(choice position, output) -> SSE text: chat chunks when ``suffix`` is None, else
+        completion chunks (the echoed prompt goes in each choice's first chunk only)."""
+        if suffix is None:
+            return lambda i, output: self.chat_chunk(response_id, created, choices[i].index, output)
+        started: set[int] = set()
+
+        def completion(i: int, output: RequestOutput) -> str:
+            prefix = "" if i in started else choices[i].prefix
+            started.add(i)
+            return self.completion_chunk(response_id, created, choices[i].index, output, prefix, suffix)
+
+        return completion
+
     def usage_chunk(self, response_id: str, created: int, choices: list[Choice], object_name: str) -> str:
         return self._chunk(response_id, object_name, created, [], usage=self.usage(choices))
 
