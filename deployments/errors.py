@@ -17,9 +17,12 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": param, "code": code}}
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
 def root_cause(error: BaseException) -> BaseException:

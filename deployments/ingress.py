@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 from deployments import mindie
 from deployments.backends import ColocatedBackend, PDBackend, merge
 from deployments.config import AppArgs
-from deployments.errors import APIError, error_response, from_value_error, on_api_error, on_validation_error, \
-    root_cause
+from deployments.errors import (APIError, error_body, error_response, from_value_error, on_api_error,
+                                 on_validation_error, root_cause)
 from deployments.metrics import IngressMetrics
 from deployments.openai_api import Choice, OpenAIFrontend, now_seconds
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -90,7 +90,7 @@ def encode_embedding(vector: list[float], encoding_format: str) -> list[float] |
 
 
 def error_event(error: BaseException) -> str:
-    return json.dumps({"error": {"message": str(error), "type": "server_error", "param": None, "code": "stream_error"}})
+    return json.dumps(error_body(500, str(error), None, "stream_error"))
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)

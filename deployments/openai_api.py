@@ -4,12 +4,13 @@ responses and stream chunks (docs/api.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import json
 import time
 
 from transformers import PreTrainedTokenizerBase
 
+from deployments import mindie
 from deployments.errors import APIError
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput, TokenLogprob
@@ -18,8 +19,6 @@ from sampling import SamplingParams
 from sampling.params import MAX_SEED
 
 OPENAI_FINISH = {EOS: "stop", STOP: "stop", LENGTH: "length", TIMEOUT: "length", ABORT: "stop"}
-MINDIE_FINISH = {EOS: "eos_token", STOP: "stop_sequence", LENGTH: "length", TIMEOUT: "stop_sequence",
-                 ABORT: "stop_sequence"}
 
 
 @dataclass
@@ -50,7 +49,7 @@ class OpenAIFrontend:
         # is taken, and generation stops at the model's length (finish_reason "length").
         gap = max_model_len - max_iter_times
         self.max_prompt_tokens = gap if gap > 0 else max_model_len - 1
-        self.finish_reasons = MINDIE_FINISH if finish_reasons == "mindie" else OPENAI_FINISH
+        self.finish_reasons = mindie.FINISH_REASONS if finish_reasons == "mindie" else OPENAI_FINISH
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -124,7 +123,7 @@ class OpenAIFrontend:
     def _request(request_id: str, prompt_ids: list[int], params: SamplingParams, body: SamplingFields, index: int,
                  deadline: float) -> GenerationRequest:
         if params.seed is not None and index:  # n choices from one seed: independent, and reproducible
-            params = SamplingParams(**{**params.__dict__, "seed": (params.seed + index - 1) % MAX_SEED + 1})
+            params = replace(params, seed=(params.seed + index - 1) % MAX_SEED + 1)
         return GenerationRequest(request_id, prompt_ids, params, priority=body.priority, deadline=deadline)
 
     # ---- responses out -----------------------------------------------------------------

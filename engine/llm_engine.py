@@ -24,7 +24,7 @@ from engine.model_runner import ModelRunner, kv_pool_blocks
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, PrefillResult, RequestOutput, TokenLogprob
 from engine.request import GenerationRequest, Mode, Sequence, SequenceStatus
 from engine.scheduler import ScheduledBatch, Scheduler
-from sampling import SamplerOutput, SamplingRow
+from sampling import SamplerOutput, SamplingParams, SamplingRow
 from sampling.params import MAX_SEED
 
 
@@ -115,9 +115,11 @@ class LLMEngine:
         return [self.abort(seq.request_id, TIMEOUT) for seq in expired]
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        p = seq.params
-        eos = [p.eos_token_id] if p.eos_token_id is not None else self.loaded.eos_token_ids
-        return SamplingRow(p, seq.seed, seq.prompt_ids, seq.output_ids, eos)
+        return SamplingRow(seq.params, seq.seed, seq.prompt_ids, seq.output_ids, self._eos_ids(seq.params))
+
+    def _eos_ids(self, params: SamplingParams) -> list[int]:
+        """The request's end id (TensorRT-LLM's end_id), else the model's EOS ids."""
+        return [params.eos_token_id] if params.eos_token_id is not None else self.loaded.eos_token_ids
 
     def _postprocess(self, batch: ScheduledBatch, sampled: SamplerOutput | None) -> list[RequestOutput]:
         outputs, row = [], 0
@@ -151,8 +153,7 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int, stopped_by_string: bool) -> str | None:
         p = seq.params
-        eos = [p.eos_token_id] if p.eos_token_id is not None else self.loaded.eos_token_ids
-        if not p.ignore_eos and token in eos:
+        if not p.ignore_eos and token in self._eos_ids(p):
             return EOS
         output = seq.output_ids
         if stopped_by_string or any(output[-len(s):] == s for s in p.stop_token_ids):

@@ -15,6 +15,7 @@ import torch
 
 from sampling.noise import split_seed
 from sampling.params import SamplingParams
+from sampling.processors import uses_processors
 
 
 @dataclass
@@ -63,13 +64,8 @@ class SamplingBatch:
             seed_hi=tensor([hi for _, hi in seeds], torch.int64),
             step=tensor([len(r.output_ids) for r in rows], torch.int64),
             max_logprobs=max(asked) if asked else None,
-            has_processors=any(_uses_processors(p) for p in params),
+            has_processors=any(uses_processors(p) for p in params),
         )
 
     def rows_where(self, predicate) -> list[int]:
         return [i for i, r in enumerate(self.rows) if predicate(r.params)]
-
-
-def _uses_processors(p: SamplingParams) -> bool:
-    return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                or p.no_repeat_ngram_size or p.bad_words_ids or p.min_new_tokens)
