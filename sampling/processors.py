@@ -4,10 +4,9 @@ Each function takes logits [R, V] (float32, one row per sampling request), the b
 the rows that ask for it, and changes those rows of the logits in place. ``PROCESSORS``
 pairs each with the test of whether a request asks for it, stated once. Semantics follow
 transformers' processors of the same names (tests compare against them) and OpenAI's for
-presence/frequency penalties. Order,
-as transformers applies them: logit bias, repetition penalty, presence/frequency
-penalties, no-repeat n-gram ban, bad words, minimum length (EOS masked). Temperature is
-applied after all of them, by the sampler.
+presence/frequency penalties. Order, as transformers applies them: logit bias, repetition
+penalty, presence/frequency penalties, no-repeat n-gram ban, bad words, minimum length (EOS
+masked). Temperature is applied after all of them, by the sampler.
 """
 
 from __future__ import annotations
