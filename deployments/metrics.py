@@ -2,8 +2,9 @@
 
 Requests by endpoint, status and priority; time to first token and time per output token
 as the ingress sees them; and, read from the engine deployments at scrape time, queue depth
-by priority, KV blocks used and free, and KV bytes moved from P to D. Deployment figures come
-from the replica a handle call reaches (one per deployment per scrape).
+by priority, KV blocks used and free, requests ended by finish reason, and KV bytes moved
+from P to D. Deployment figures come from the replica a handle call reaches (one per
+deployment per scrape).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class IngressMetrics:
                                  registry=r)
         self.running = Gauge("pdserve_running_requests", "requests running in an engine", ["deployment"], registry=r)
         self.kv_blocks = Gauge("pdserve_kv_blocks", "KV cache blocks", ["deployment", "state"], registry=r)
+        self.finished = Gauge("pdserve_engine_requests_finished", "requests an engine has ended since it started",
+                              ["deployment", "reason"], registry=r)
         self.kv_bytes = Gauge("pdserve_kv_bytes_moved", "KV bytes moved from P to D", registry=r)
         self.kv_transfers = Gauge("pdserve_kv_transfers", "KV transfers from P to D", registry=r)
 
@@ -63,6 +66,8 @@ class IngressMetrics:
             self.running.labels(name).set(s.running)
             self.kv_blocks.labels(name, "used").set(s.blocks_used)
             self.kv_blocks.labels(name, "free").set(s.blocks_total - s.blocks_used)
+            for reason, count in s.finished_by_reason.items():
+                self.finished.labels(name, reason).set(count)
         if "DecodeServer" in handles:
             transfers = await handles["DecodeServer"].kv_transfers.remote()
             self.kv_bytes.set(transfers["bytes"])

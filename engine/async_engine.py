@@ -10,6 +10,7 @@ through a queue, and its outputs come back through an ``asyncio.Queue`` fed with
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass
 import logging
 import queue
@@ -34,6 +35,7 @@ class EngineStats:
     blocks_used: int
     waiting_by_priority: dict[int, int]
     running: int
+    finished_by_reason: dict[str, int]  # since start; "abort" counts cancellations and clients gone
 
 
 class AsyncEngine:
@@ -44,6 +46,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._stopped = False
+        self._finished: collections.Counter[str] = collections.Counter()
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -79,7 +82,7 @@ class AsyncEngine:
         waiting = {p: 0 for p in range(PRIORITY_MIN, PRIORITY_MAX + 1)}
         for seq in scheduler.waiting:
             waiting[seq.priority] += 1
-        return EngineStats(blocks.num_blocks, blocks.num_used, waiting, len(scheduler.running))
+        return EngineStats(blocks.num_blocks, blocks.num_used, waiting, len(scheduler.running), dict(self._finished))
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -128,9 +131,9 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._fail_all(error)
                 continue
-            self._stats = self._snapshot()
             for output in outputs:
                 self._deliver(output.request_id, output)
+            self._stats = self._snapshot()
 
     def _drain_commands(self) -> None:
         while True:
@@ -155,6 +158,8 @@ class AsyncEngine:
             self._deliver(request_id, EngineError(f"engine step failed: {error}"))
 
     def _deliver(self, request_id: str, item) -> None:
+        if isinstance(item, RequestOutput) and item.finished:
+            self._finished[item.finish_reason] += 1
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is not None:

@@ -206,7 +206,8 @@ def test_models_health_metrics(base_url):
                    "pdserve_time_to_first_token_seconds_bucket", "pdserve_time_per_output_token_seconds_bucket",
                    'pdserve_queue_depth{deployment="PrefillServer",priority="1"}',
                    'pdserve_kv_blocks{deployment="DecodeServer",state="free"}',
-                   'pdserve_kv_blocks{deployment="PrefillServer",state="used"}', "pdserve_kv_bytes_moved"]:
+                   'pdserve_kv_blocks{deployment="PrefillServer",state="used"}', "pdserve_kv_bytes_moved",
+                   'pdserve_engine_requests_finished{deployment="DecodeServer",reason="length"}']:
         assert needle in text, needle
     moved = [line for line in text.splitlines() if line.startswith("pdserve_kv_bytes_moved ")]
     assert float(moved[0].split()[1]) > 0

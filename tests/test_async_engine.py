@@ -42,6 +42,8 @@ def test_concurrent_streams_match_the_sync_engine(async_engine):
 
 
 def test_leaving_a_stream_aborts_the_request_and_frees_blocks(async_engine):
+    aborted = async_engine.stats().finished_by_reason.get("abort", 0)
+
     async def main():
         stream = async_engine.generate(GenerationRequest("leaver", list(range(3, 40)), greedy(5000)))
         async for _ in stream:
@@ -54,6 +56,7 @@ def test_leaving_a_stream_aborts_the_request_and_frees_blocks(async_engine):
         return False
 
     assert asyncio.run(main())
+    assert async_engine.stats().finished_by_reason["abort"] == aborted + 1
 
 
 def test_bad_request_raises_in_the_caller(async_engine):

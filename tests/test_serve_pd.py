@@ -87,16 +87,22 @@ def engine_stats(app, deployment):
     return serve.get_deployment_handle(deployment, app_name=app).stats.remote().result()
 
 
-def test_client_disconnect_frees_blocks_in_p_and_d(base_url):
+@pytest.mark.parametrize("app, engines", [("pd", ("DecodeServer", "PrefillServer")), ("co", ("LLMServer",))])
+def test_client_disconnect_frees_blocks(base_url, app, engines):
+    """The client goes away mid-stream: the engine that streams (D, or the colocated engine,
+    reached over gRPC) stops the request and frees its blocks; P has freed its own already."""
+    streaming = engines[0]
+    aborted = engine_stats(app, streaming).finished_by_reason.get("abort", 0)
     body = {"input_id": PROMPTS[1], "stream": True, "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
     with httpx.Client(timeout=60) as client:
-        with client.stream("POST", f"{base_url}/pd/infer_token", json=body) as response:
+        with client.stream("POST", f"{base_url}/{app}/infer_token", json=body) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
-            assert wait_until(lambda: engine_stats("pd", "DecodeServer").running == 1, 30)
-    assert wait_until(lambda: engine_stats("pd", "DecodeServer").blocks_used == 0
-                      and engine_stats("pd", "DecodeServer").running == 0, 30)
-    assert engine_stats("pd", "PrefillServer").blocks_used == 0
+            assert wait_until(lambda: engine_stats(app, streaming).running == 1, 30)
+    assert wait_until(lambda: engine_stats(app, streaming).blocks_used == 0
+                      and engine_stats(app, streaming).running == 0, 30)
+    assert all(engine_stats(app, engine).blocks_used == 0 for engine in engines)
+    assert engine_stats(app, streaming).finished_by_reason.get("abort", 0) == aborted + 1  # stopped, not run out
 
 
 def test_expired_deadline_ends_the_request_and_frees_blocks(base_url):
