@@ -23,7 +23,6 @@ class ColocatedBackend:
     carry the KV's ObjectRef (docs/serving.md)."""
 
     def __init__(self, llm: DeploymentHandle) -> None:
-        self.llm = llm
         self.handles = {"LLMServer": llm}
         self._generate = llm.options(stream=True, _by_reference=False).generate
 
