@@ -131,9 +131,11 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._fail_all(error)
                 continue
+            # Stats first: a caller that has its request's last output sees the engine without it.
+            self._finished.update(output.finish_reason for output in outputs if output.finished)
+            self._stats = self._snapshot()
             for output in outputs:
                 self._deliver(output.request_id, output)
-            self._stats = self._snapshot()
 
     def _drain_commands(self) -> None:
         while True:
@@ -150,6 +152,7 @@ class AsyncEngine:
             else:
                 output = self.engine.abort(command[1])
                 if output is not None:
+                    self._finished[output.finish_reason] += 1
                     self._deliver(output.request_id, output)
 
     def _fail_all(self, error: Exception) -> None:
@@ -158,8 +161,6 @@ class AsyncEngine:
             self._deliver(request_id, EngineError(f"engine step failed: {error}"))
 
     def _deliver(self, request_id: str, item) -> None:
-        if isinstance(item, RequestOutput) and item.finished:
-            self._finished[item.finish_reason] += 1
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is not None:
