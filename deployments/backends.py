@@ -32,8 +32,8 @@ class ColocatedBackend:
 
 
 class PDBackend:
-    """The ingress orchestrates: P runs the prompt and returns the first token at once; the
-    ingress hands it to the client, then calls D with P's reply. P's KV goes from P to D
+    """The ingress orchestrates: P runs the prompt and returns each choice's first token at
+    once; the ingress hands them to the client, then calls D with P's reply. P's KV goes from P to D
     through Ray's object store: only its ObjectRef passes through here."""
 
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle) -> None:
@@ -47,26 +47,27 @@ class PDBackend:
         except asyncio.CancelledError:
             response.cancel()
             raise
-        yield reply.output
-        if reply.output.finished:
+        for output in reply.outputs:
+            yield output
+        if reply.handoff is None:
             return
         async for output in _cancel_on_exit(self.decode.options(stream=True).decode.remote(request, reply)):
             yield output
 
 
 async def _cancel_on_exit(responses) -> AsyncIterator[RequestOutput]:
-    finished = False
+    ended = False
     try:
         async for output in responses:
-            finished = output.finished
             yield output
+        ended = True
     finally:
-        if not finished:
+        if not ended:
             responses.cancel()
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several streams (the n choices of one request) as their outputs arrive:
+    """Interleave several streams (the prompts of one completions request) as their outputs arrive:
     (stream index, output). An error in one stream ends them all; leaving early closes them all."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()

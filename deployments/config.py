@@ -21,7 +21,8 @@ class AppArgs(BaseModel):
     decode_model: str | None = Field(None, description="D's model, if named apart; must be the same model")
     served_model_name: str | None = Field(None, description="the name clients use; default: the model's")
     max_iter_times: int = Field(1024, gt=0, description="server cap on generated tokens per request")
-    dtype: str = Field("float32", description="one of " + ", ".join(DTYPES))
+    dtype: str = Field("auto", description="one of " + ", ".join(DTYPES) +
+                       "; auto: bfloat16 where the hardware computes it natively, else float32")
     device: str = Field("cpu", description="cpu, cuda[:N] or npu[:N]")
     block_size: int = Field(16, gt=0)
     num_blocks: int | None = Field(None, gt=0)
@@ -30,6 +31,7 @@ class AppArgs(BaseModel):
     max_num_batched_tokens: int = Field(2048, gt=0)
     max_model_len: int | None = Field(None, gt=0)
     torch_threads: int | None = Field(None, gt=0, description="intra-op threads per engine replica")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV of prompt blocks computed before")
     max_ongoing_requests: int = Field(256, gt=0, description="concurrent requests per P/D replica")
     finish_reasons: Literal["openai", "mindie"] = Field(
         "openai", description="finish_reason values on /v1: OpenAI's (stop, length) or MindIE's")
@@ -47,4 +49,5 @@ class AppArgs(BaseModel):
             model=model or self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
             num_blocks=self.num_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            max_iter_times=self.max_iter_times, torch_threads=self.torch_threads)
+            max_iter_times=self.max_iter_times, torch_threads=self.torch_threads,
+            enable_prefix_caching=self.enable_prefix_caching)

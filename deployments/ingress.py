@@ -65,18 +65,22 @@ async def prepend_first(first: RequestOutput, stream: AsyncIterator[RequestOutpu
     """The first output, then the rest of its stream."""
     try:
         yield first
-        if not first.finished:
-            async for output in stream:
-                yield output
+        async for output in stream:
+            yield output
     finally:
         await stream.aclose()
+
+
+def choice_position(choices: list[Choice], stream: int, output: RequestOutput) -> int:
+    """Where an output of prompt ``stream``'s request goes: its choices are consecutive."""
+    return stream * choices[0].request.n + output.index
 
 
 async def collect_choices(streams, choices: list[Choice], fail_on_timeout: bool) -> None:
     merged = merge(streams)
     try:
         async for i, output in merged:
-            choices[i].outputs.append(output)
+            choices[choice_position(choices, i, output)].outputs.append(output)
     finally:
         await merged.aclose()
     if fail_on_timeout and any(c.final.finish_reason == TIMEOUT for c in choices):
@@ -145,8 +149,10 @@ class Ingress:
         return first, stream
 
     async def start_all(self, choices: list[Choice], arrival: float) -> list[AsyncIterator[RequestOutput]]:
-        """Start every choice; if one fails, cancel the others and raise its error."""
-        started = await asyncio.gather(*(self.start(c.request, arrival) for c in choices), return_exceptions=True)
+        """Start one request per prompt (its n choices share it); if one fails, cancel the others
+        and raise its error."""
+        requests = list({c.prompt_index: c.request for c in choices}.values())
+        started = await asyncio.gather(*(self.start(r, arrival) for r in requests), return_exceptions=True)
         errors = [s for s in started if isinstance(s, BaseException)]
         if errors:
             for s in started:
@@ -227,8 +233,9 @@ class Ingress:
         merged = merge(streams)
         try:
             async for i, output in merged:
-                choices[i].outputs.append(output)
-                yield chunk(i, output)
+                position = choice_position(choices, i, output)
+                choices[position].outputs.append(output)
+                yield chunk(position, output)
             if usage_chunk is not None:
                 yield usage_chunk()
             yield "data: [DONE]\n\n"
@@ -267,7 +274,8 @@ class Ingress:
     async def models(self):
         info = await self.model_info()
         data = [{"id": self.served_model_name(info), "object": "model", "created": 0, "owned_by": "pdserve",
-                 "max_model_len": info.max_model_len}]
+                 "max_model_len": info.max_model_len, "dtype": info.dtype,
+                 "enable_prefix_caching": info.enable_prefix_caching}]
         if self.embedder is not None:
             data.append({"id": await self.embedder.info.remote(), "object": "model", "created": 0,
                          "owned_by": "pdserve"})

@@ -2,7 +2,8 @@
 
 Requests by endpoint, status and priority; time to first token and time per output token
 as the ingress sees them; and, read from the engine deployments at scrape time, queue depth
-by priority, KV blocks used and free, requests ended by finish reason, and KV bytes moved
+by priority, KV blocks used / cached / free and the usage fraction, prefix-cache queries and
+hits (tokens, as vLLM counts them), requests ended by finish reason, and KV bytes moved
 from P to D. Deployment figures come from the replica a handle call reaches (one per
 deployment per scrape).
 """
@@ -35,6 +36,14 @@ class IngressMetrics:
         self.kv_blocks = Gauge("pdserve_kv_blocks", "KV cache blocks", ["deployment", "state"], registry=r)
         self.finished = Gauge("pdserve_engine_requests_finished", "requests an engine has ended since it started",
                               ["deployment", "reason"], registry=r)
+        self.kv_usage = Gauge("pdserve_kv_cache_usage_perc", "fraction of KV blocks held by requests (cached "
+                              "blocks count as free)", ["deployment"], registry=r)
+        self.prefix_queries = Gauge("pdserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                    ["deployment"], registry=r)
+        self.prefix_hits = Gauge("pdserve_prefix_cache_hits", "prompt tokens found in the prefix cache",
+                                 ["deployment"], registry=r)
+        self.prompt_computed = Gauge("pdserve_prompt_tokens_computed", "prompt tokens run through the model "
+                                     "(not prefix hits, not imported KV)", ["deployment"], registry=r)
         self.kv_bytes = Gauge("pdserve_kv_bytes_moved", "KV bytes moved from P to D", registry=r)
         self.kv_transfers = Gauge("pdserve_kv_transfers", "KV transfers from P to D", registry=r)
 
@@ -65,7 +74,12 @@ class IngressMetrics:
                 self.queue_depth.labels(name, str(priority)).set(depth)
             self.running.labels(name).set(s.running)
             self.kv_blocks.labels(name, "used").set(s.blocks_used)
-            self.kv_blocks.labels(name, "free").set(s.blocks_total - s.blocks_used)
+            self.kv_blocks.labels(name, "cached").set(s.blocks_cached)
+            self.kv_blocks.labels(name, "free").set(s.blocks_total - s.blocks_used - s.blocks_cached)
+            self.kv_usage.labels(name).set(s.kv_cache_usage)
+            self.prefix_queries.labels(name).set(s.prefix_cache_queries)
+            self.prefix_hits.labels(name).set(s.prefix_cache_hits)
+            self.prompt_computed.labels(name).set(s.prompt_tokens_computed)
             for reason, count in s.finished_by_reason.items():
                 self.finished.labels(name, reason).set(count)
         if "DecodeServer" in handles:

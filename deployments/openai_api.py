@@ -4,7 +4,7 @@ responses and stream chunks (docs/api.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 import json
 import time
 
@@ -16,14 +16,14 @@ from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, 
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput, TokenLogprob
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from sampling.params import MAX_SEED
 
 OPENAI_FINISH = {EOS: "stop", STOP: "stop", LENGTH: "length", TIMEOUT: "length", ABORT: "stop"}
 
 
 @dataclass
 class Choice:
-    """One choice being produced: which prompt, and what has come back so far."""
+    """One choice being produced: which prompt (its request, shared by the prompt's choices),
+    and what has come back so far."""
 
     index: int
     prompt_index: int
@@ -77,9 +77,8 @@ class OpenAIFrontend:
                                 f"{self.max_prompt_tokens} fit (model length minus max_iter_times)", "messages",
                            "context_length_exceeded")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(body, logprobs)
-        return [Choice(j, 0, len(prompt_ids), self._request(f"{request_id}-{j}", prompt_ids, params, body, j, deadline))
-                for j in range(body.n)]
+        request = self._request(f"{request_id}-0", prompt_ids, self._params(body, logprobs), body, deadline)
+        return [Choice(j, 0, len(prompt_ids), request) for j in range(body.n)]
 
     def completion_choices(self, body: CompletionRequest, request_id: str, deadline: float) -> list[Choice]:
         self.check_model(body.model)
@@ -96,11 +95,8 @@ class OpenAIFrontend:
                                         "the last ones", param, "context_length_exceeded")
                 prompt_ids = prompt_ids[-self.max_prompt_tokens:]
             prefix = prompt if body.echo else ""
-            for j in range(body.n):
-                index = i * body.n + j
-                choices.append(Choice(index, i, len(prompt_ids),
-                                      self._request(f"{request_id}-{index}", prompt_ids, params, body, index, deadline),
-                                      prefix))
+            request = self._request(f"{request_id}-{i}", prompt_ids, params, body, deadline)
+            choices += [Choice(i * body.n + j, i, len(prompt_ids), request, prefix) for j in range(body.n)]
         return choices
 
     def _params(self, body: SamplingFields, logprobs: int | None) -> SamplingParams:
@@ -120,11 +116,10 @@ class OpenAIFrontend:
             logit_bias=bias, ignore_eos=body.ignore_eos)
 
     @staticmethod
-    def _request(request_id: str, prompt_ids: list[int], params: SamplingParams, body: SamplingFields, index: int,
+    def _request(request_id: str, prompt_ids: list[int], params: SamplingParams, body: SamplingFields,
                  deadline: float) -> GenerationRequest:
-        if params.seed is not None and index:  # n choices from one seed: independent, and reproducible
-            params = replace(params, seed=(params.seed + index - 1) % MAX_SEED + 1)
-        return GenerationRequest(request_id, prompt_ids, params, priority=body.priority, deadline=deadline)
+        """One request per prompt; its n choices share its prefill (seeds: sampling.params.choice_seed)."""
+        return GenerationRequest(request_id, prompt_ids, params, priority=body.priority, deadline=deadline, n=body.n)
 
     # ---- responses out -----------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from ray.util import metrics
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.kv_transfer import KVPayload
-from engine.outputs import RequestOutput
+from engine.outputs import PrefillResult, RequestOutput
 from engine.request import GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -34,15 +34,19 @@ class ModelInfo:
     max_model_len: int
     max_iter_times: int
     node_id: str
+    dtype: str
+    enable_prefix_caching: bool
 
 
 @dataclass
 class PrefillReply:
-    """P's answer: the first token's output and, unless P finished the request, the handoff
-    for D: the prefill result without its KV bytes, and a reference to those bytes in Ray's
-    object store. The reference sits in a list so that Ray passes it on instead of resolving it."""
+    """P's answer: each choice's first-token output and, unless P finished every choice, the
+    handoff for D: the prefill result without its KV bytes, and a reference to those bytes in
+    Ray's object store (one for all choices). The reference sits in a list so that Ray passes
+    it on instead of resolving it."""
 
-    output: RequestOutput
+    outputs: list[RequestOutput]
+    handoff: PrefillResult | None
     kv_ref: list[ray.ObjectRef]
 
 
@@ -53,7 +57,8 @@ class _EngineServer:
     def info(self) -> ModelInfo:
         inner = self.engine.engine
         return ModelInfo(str(inner.loaded.path), inner.loaded.model_id, inner.vocab_size, inner.max_model_len,
-                         inner.config.max_iter_times, ray.get_runtime_context().get_node_id())
+                         inner.config.max_iter_times, ray.get_runtime_context().get_node_id(), inner.dtype,
+                         inner.config.enable_prefix_caching)
 
     def stats(self):
         return self.engine.stats()
@@ -79,13 +84,13 @@ class LLMServer(_EngineServer):
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 class PrefillServer(_EngineServer):
     async def prefill(self, request: GenerationRequest) -> PrefillReply:
-        output = await self.engine.prefill(request)
-        if output.prefill is None:  # the first token ended the request
-            return PrefillReply(output, [])
-        result = output.prefill
+        outputs = await self.engine.prefill(request)
+        result = next((o.prefill for o in outputs if o.prefill is not None), None)
+        outputs = [replace(o, prefill=None) for o in outputs]  # the KV bytes travel apart, once
+        if result is None:  # the first token ended every choice
+            return PrefillReply(outputs, None, [])
         kv_ref = ray.put(result.kv.data)
-        handoff = replace(result, kv=KVPayload(result.kv.meta, None))
-        return PrefillReply(replace(output, prefill=handoff), [kv_ref])
+        return PrefillReply(outputs, replace(result, kv=KVPayload(result.kv.meta, None)), [kv_ref])
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -103,8 +108,7 @@ class DecodeServer(_EngineServer):
         data = await reply.kv_ref[0]  # zero-copy for numpy when the object is on this node
         seconds = time.perf_counter() - start
         self._record_transfer(data.nbytes, seconds)
-        prefill = reply.output.prefill
-        prefill = replace(prefill, kv=KVPayload(prefill.kv.meta, data))
+        prefill = replace(reply.handoff, kv=KVPayload(reply.handoff.kv.meta, data))
         async for output in self.engine.decode(request, prefill):
             yield output
 

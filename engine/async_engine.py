@@ -32,10 +32,19 @@ class EngineError(RuntimeError):
 @dataclass
 class EngineStats:
     blocks_total: int
-    blocks_used: int
+    blocks_used: int  # held by a running or waiting sequence
+    blocks_cached: int  # held by none, content kept for prefix hits until evicted
     waiting_by_priority: dict[int, int]
-    running: int
-    finished_by_reason: dict[str, int]  # since start; "abort" counts cancellations and clients gone
+    running: int  # sequences (a request with n choices counts n once forked)
+    finished_by_reason: dict[str, int]  # choices ended since start; "abort" counts cancellations and clients gone
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
+    prefix_cache_hits: int  # of those, tokens found
+    prompt_tokens_computed: int  # prompt tokens run through the model since start (hits and imports are not)
+    dtype: str
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.blocks_used / self.blocks_total
 
 
 class AsyncEngine:
@@ -58,11 +67,11 @@ class AsyncEngine:
         async for output in self._submit(request, Mode.GENERATE, None):
             yield output
 
-    async def prefill(self, request: GenerationRequest) -> RequestOutput:
-        """Run the prompt; the output carries ``prefill`` (go on to decode) or is ``finished``."""
-        async for output in self._submit(request, Mode.PREFILL, None):
-            return output
-        raise EngineError("prefill ended without an output")
+    async def prefill(self, request: GenerationRequest, kv_export_start: int = 0) -> list[RequestOutput]:
+        """Run the prompt; one output per choice, by index: ``finished``, or carrying ``prefill``
+        (the same result for every choice that goes on to decode)."""
+        outputs = [output async for output in self._submit(request, Mode.PREFILL, None, kv_export_start)]
+        return sorted(outputs, key=lambda output: output.index)
 
     async def decode(self, request: GenerationRequest, prefill: PrefillResult) -> AsyncIterator[RequestOutput]:
         """Import P's KV and stream the tokens after the first."""
@@ -82,7 +91,10 @@ class AsyncEngine:
         waiting = {p: 0 for p in range(PRIORITY_MIN, PRIORITY_MAX + 1)}
         for seq in scheduler.waiting:
             waiting[seq.priority] += 1
-        return EngineStats(blocks.num_blocks, blocks.num_used, waiting, len(scheduler.running), dict(self._finished))
+        counts = blocks.counts()
+        return EngineStats(counts.total, counts.held, counts.cached, waiting, len(scheduler.running),
+                           dict(self._finished), blocks.prefix_queries, blocks.prefix_hits,
+                           scheduler.num_prompt_tokens_computed, self.engine.dtype)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -92,16 +104,18 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    async def _submit(self, request: GenerationRequest, mode: Mode,
-                      prefill: PrefillResult | None) -> AsyncIterator[RequestOutput]:
+    async def _submit(self, request: GenerationRequest, mode: Mode, prefill: PrefillResult | None,
+                      kv_export_start: int = 0) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until every choice has ended (or, PREFILL, gone on to D)."""
         self.engine.validate(request, mode, prefill)
         outputs: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request.request_id in self._streams:
                 raise ValueError(f"request_id: {request.request_id!r} is already running")
             self._streams[request.request_id] = (asyncio.get_running_loop(), outputs)
-        self._commands.put(("add", request, mode, prefill))
+        self._commands.put(("add", request, mode, prefill, kv_export_start))
         self._wake.set()
+        remaining = {c.index for c in prefill.choices} if prefill is not None else set(range(request.n))
         done = False
         try:
             while not done:
@@ -109,7 +123,9 @@ class AsyncEngine:
                 if isinstance(output, Exception):
                     done = True
                     raise output
-                done = output.finished or output.prefill is not None
+                if output.finished or output.prefill is not None:
+                    remaining.discard(output.index)
+                done = not remaining
                 yield output
         finally:
             with self._lock:
@@ -144,14 +160,13 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request, mode, prefill = command
+                _, request, mode, prefill, kv_export_start = command
                 try:
-                    self.engine.add_request(request, mode, prefill)
+                    self.engine.add_request(request, mode, prefill, kv_export_start)
                 except Exception as error:
                     self._deliver(request.request_id, error)
             else:
-                output = self.engine.abort(command[1])
-                if output is not None:
+                for output in self.engine.abort(command[1]):
                     self._finished[output.finish_reason] += 1
                     self._deliver(output.request_id, output)
 

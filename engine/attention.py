@@ -35,10 +35,10 @@ class AttentionBatch:
     prefills: list[PrefillChunk]
 
 
-def build_attention_batch(slot_mapping: list[int], decodes: list[tuple[int, int, list[int]]],
+def build_attention_batch(slot_mapping: torch.Tensor, decodes: list[tuple[int, int, list[int]]],
                           prefills: list[tuple[int, int, int, list[int]]], windows: set[int | None],
                           block_size: int, device: torch.device) -> AttentionBatch:
-    """decodes: (flat index, context length, block table); prefills: (flat start, n tokens,
+    """slot_mapping: [N] on the device; decodes: (flat index, context length, block table); prefills: (flat start, n tokens,
     start position, context slots). ``windows``: the sliding windows of the model's layers
     (None = full attention)."""
     max_blocks = max((len(t) for _, _, t in decodes), default=1)
@@ -58,7 +58,7 @@ def build_attention_batch(slot_mapping: list[int], decodes: list[tuple[int, int,
                  for w in windows}
         chunks.append(PrefillChunk(start, n, torch.tensor(slots, device=device), start_pos, masks))
     return AttentionBatch(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        slot_mapping=slot_mapping,
         decode_rows=torch.tensor([i for i, _, _ in decodes], dtype=torch.int64, device=device),
         decode_blocks=decode_blocks.to(device),
         decode_masks=decode_masks,

@@ -1,49 +1,193 @@
-"""The KV block accounts: which blocks of the pool are free and which sequence holds which.
+"""The KV block accounts: which blocks are held, by how many sequences, and which hold what.
 
-Pure bookkeeping, no tensors: the model runner owns the memory, this class owns the
-ledger. ``can_grow``/``grow`` are the paired check and commit that the scheduler calls
-before a sequence gets more tokens of KV.
+Pure bookkeeping, no tensors: the model runner owns the memory, this class owns the ledger.
+
+Content addressing (prefix caching, as vLLM v1 and nano-vllm do it): a *full* block's key is
+a hash chained over the previous block's key, the block's token ids and the sequence's KV
+namespace (model, dtype; later a LoRA adapter). Two sequences whose first k blocks have the
+same keys hold the same KV there, so the second one takes the first one's blocks instead of
+computing them. A block is in one of three states:
+
+- held: ``ref_count > 0``; shared by every sequence whose table lists it;
+- cached: ``ref_count == 0`` but keyed; reusable by a prefix hit until evicted. These are kept
+  in least-recently-freed order and evicted first-in-first-out when the free list is empty;
+- free: no key, on the free list.
+
+Only full blocks are keyed, and a sequence never writes into a full block it computed, so a
+shared block is written only in one case: the last, partial block of a prompt after a fork
+(n choices, beams). ``allocate`` copies it first (copy-on-write) and returns the copy for the
+model runner to make.
+
+``can_allocate``/``allocate`` are the paired check and commit that the scheduler calls before a
+sequence gets more tokens of KV; ``computed_prefix`` is the look-up it makes before admitting one.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+import hashlib
+
+import numpy as np
 
 from engine.request import Sequence
 
 
+@dataclass
+class BlockCounts:
+    """Where every block of the pool is: held + cached + free == total."""
+
+    total: int
+    held: int  # referenced by at least one sequence
+    cached: int  # nobody holds it, its content is keyed: reusable until evicted
+    free: int  # nobody holds it, no content
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held (vLLM's kv_cache_usage: cached blocks count as free)."""
+        return self.held / self.total
+
+
+def chain_hash(parent: bytes, token_ids: list[int], namespace: bytes) -> bytes:
+    """The key of a full block: parent's key, the block's tokens, the KV namespace.
+    blake2b, not Python's hash: the same key in every process (a router can compute it)."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(namespace)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return digest.digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_key: list[bytes | None] = [None] * num_blocks
+        self._by_key: dict[bytes, int] = {}
         self._free: deque[int] = deque(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # ref 0 and keyed, oldest first
+        self.prefix_queries = 0  # tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
+        self.prefix_hits = 0  # of those, tokens found
+
+    # ---- counts ------------------------------------------------------------------------
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones, and cached ones by eviction."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks held by some sequence."""
+        return self.num_blocks - self.num_free
+
+    def counts(self) -> BlockCounts:
+        return BlockCounts(self.num_blocks, self.num_used, len(self._cached), len(self._free))
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks ``seq`` must take so that num_computed_tokens + num_new_tokens fit."""
-        return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+    # ---- prefix look-up ----------------------------------------------------------------
 
-    def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The keys of ``seq``'s first ``num_blocks`` full blocks (memoised on the sequence)."""
+        bs, hashes = self.block_size, seq.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else b"", seq.token_ids[i * bs:(i + 1) * bs],
+                                     seq.kv_namespace))
+        return hashes[:num_blocks]
 
-    def grow(self, seq: Sequence, num_new_tokens: int) -> None:
-        for _ in range(self.blocks_needed(seq, num_new_tokens)):
-            seq.block_table.append(self._free.popleft())
+    def computed_prefix(self, seq: Sequence, max_tokens: int | None = None) -> list[int]:
+        """The cached blocks holding ``seq``'s leading full blocks, for a sequence that holds none
+        yet. Never the block of its last token: that token is computed, to give the logits."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = seq.num_tokens - 1 if max_tokens is None else min(max_tokens, seq.num_tokens - 1)
+        hits = []
+        for key in self.block_hashes(seq, limit // self.block_size):
+            block = self._by_key.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted sequence's look-up (not the tries of one still waiting)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    # ---- allocation: check, then commit ------------------------------------------------
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int, computed: list[int] = ()) -> int:
+        """Blocks the pool must give so that ``seq`` (after taking ``computed``) covers
+        ``num_tokens`` tokens: new blocks, a copy-on-write copy, and cached hits it revives."""
+        new = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - len(computed))
+        revived = sum(1 for b in computed if self.ref_count[b] == 0)
+        return new + revived + (1 if self._shared_tail(seq) is not None else 0)
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, computed: list[int] = ()) -> bool:
+        return self.blocks_needed(seq, num_tokens, computed) <= self.num_free
+
+    def allocate(self, seq: Sequence, num_tokens: int, computed: list[int] = ()) -> list[tuple[int, int]]:
+        """Commit: ``seq`` takes the ``computed`` prefix blocks, a private copy of a shared
+        partial tail, and new blocks until it covers ``num_tokens`` tokens. Returns the block
+        copies (src, dst) the runner must make before the forward writes."""
+        for block in computed:
+            self._hold(block)
+            seq.block_table.append(block)
+        copies = []
+        tail = self._shared_tail(seq)
+        if tail is not None:
+            src = seq.block_table[tail]
+            dst = self._take()
+            self.ref_count[src] -= 1  # still held by a sibling: never reaches 0 here
+            seq.block_table[tail] = dst
+            copies.append((src, dst))
+        for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._take())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares the blocks that hold its computed tokens (a prefix of the parent's)."""
+        shared = parent.block_table[: self.blocks_for(child.num_computed_tokens)]
+        for block in shared:
+            self.ref_count[block] += 1
+        child.block_table = list(shared)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Key the blocks that ``seq``'s computed tokens have filled, so later requests find them.
+        A key already owned by another block stays with that one; this block stays unkeyed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for i, key in enumerate(self.block_hashes(seq, num_full)):
+            block = seq.block_table[i]
+            if self.block_key[block] is None and key not in self._by_key:
+                self.block_key[block] = key
+                self._by_key[key] = block
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_table)
+        """Drop ``seq``'s hold on its blocks. Keyed ones stay cached, the tail's blocks ahead of
+        the prompt's in eviction order (a prefix is worth more than the end of one request)."""
+        for block in reversed(seq.block_table):
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                if self.block_key[block] is not None:
+                    self._cached[block] = None
+                else:
+                    self._free.append(block)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached, unheld block's content (e.g. after new weights); blocks dropped."""
+        dropped = len(self._cached)
+        while self._cached:
+            self._free.append(self._unkey(self._cached.popitem(last=False)[0]))
+        return dropped
+
+    # ---- slots -------------------------------------------------------------------------
 
     def slot(self, seq: Sequence, position: int) -> int:
         """The pool slot holding token ``position`` of ``seq``."""
@@ -52,3 +196,28 @@ class BlockManager:
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _shared_tail(self, seq: Sequence) -> int | None:
+        """Index in ``seq``'s table of the partial block its next token is written to, when
+        another sequence holds it too (after a fork); else None."""
+        index, offset = divmod(seq.num_computed_tokens, self.block_size)
+        if offset and index < len(seq.block_table) and self.ref_count[seq.block_table[index]] > 1:
+            return index
+        return None
+
+    def _hold(self, block: int) -> None:
+        if self.ref_count[block] == 0:
+            del self._cached[block]
+        self.ref_count[block] += 1
+
+    def _take(self) -> int:
+        block = self._free.popleft() if self._free else self._unkey(self._cached.popitem(last=False)[0])
+        self.ref_count[block] = 1
+        return block
+
+    def _unkey(self, block: int) -> int:
+        del self._by_key[self.block_key[block]]
+        self.block_key[block] = None
+        return block

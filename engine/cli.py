@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = commands.add_parser("generate", help="generate a completion for PROMPT with the engine in-process")
     gen.add_argument("prompt")
     gen.add_argument("--model", default="tiny-llama", help="a local model directory or tiny-llama")
-    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--dtype", default="auto", help="auto (bfloat16 where the CPU or GPU has it), float32, ...")
+    gen.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -38,7 +39,8 @@ def _generate(args: argparse.Namespace) -> int:
     from sampling import SamplingParams
 
     try:
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                        enable_prefix_caching=not args.no_prefix_caching))
         prompt_ids = engine.tokenizer.encode(args.prompt)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
         engine.add_request(GenerationRequest("cli", prompt_ids, params))

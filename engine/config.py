@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 
 @dataclass
 class EngineConfig:
     model: str = "tiny-llama"  # a local Hugging Face model directory, or "tiny-llama"
-    dtype: str = "float32"  # float64 exists for exact parity tests
+    dtype: str = "auto"  # auto: bfloat16 where the hardware has it (engine/loader.py), else float32; float64 for exact parity tests
     device: str = "cpu"  # cpu, cuda[:N] or npu[:N]
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV pool size; None: from kv_cache_memory_gb
@@ -23,6 +23,7 @@ class EngineConfig:
     top_k_guess: int = 32  # candidates tried first for top-p (the Ascend operator's topKGuess)
     sampler_backend: str = "auto"  # auto (Ascend's operator on an NPU, else torch), native, ascend
     torch_threads: int | None = None  # intra-op threads for this engine; None: torch's default
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks other requests computed
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

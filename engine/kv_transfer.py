@@ -21,13 +21,14 @@ class KVMeta:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    num_tokens: int
+    num_tokens: int  # the prompt's length
+    start: int = 0  # the payload holds tokens [start, num_tokens); D must hold the ones before in its cache
 
 
 @dataclass
 class KVPayload:
     meta: KVMeta
-    # [layers, 2 (k, v), tokens, kv_heads, head_dim]; None while the bytes travel on their own
+    # [layers, 2 (k, v), num_tokens - start, kv_heads, head_dim]; None while the bytes travel on their own
     # (deployments/servers.py sends them through Ray's object store, apart from the metadata).
     data: np.ndarray | None
 
@@ -60,7 +61,9 @@ def numpy_to_tensor(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 def check_compatible(meta: KVMeta, expected: KVMeta, num_prompt_tokens: int) -> None:
     """Raise KVMismatchError naming the first field where ``meta`` differs from this engine."""
     for name, value in asdict(expected).items():
-        if name != "num_tokens" and getattr(meta, name) != value:
+        if name not in ("num_tokens", "start") and getattr(meta, name) != value:
             raise KVMismatchError(f"kv.{name}: got {getattr(meta, name)!r}, this engine has {value!r}")
     if meta.num_tokens != num_prompt_tokens:
         raise KVMismatchError(f"kv.num_tokens: got {meta.num_tokens}, the prompt has {num_prompt_tokens} tokens")
+    if not 0 <= meta.start < meta.num_tokens:
+        raise KVMismatchError(f"kv.start: got {meta.start}, must be in [0, {meta.num_tokens})")

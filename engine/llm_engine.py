@@ -7,25 +7,34 @@
 Three modes share the loop (engine/request.py ``Mode``): GENERATE runs a request to the
 end; PREFILL stops after the first token and returns the prompt's KV; DECODE starts from
 that KV and the first token. Deadlines are checked before every step.
+
+A request with n choices runs as one sequence until its prompt is computed; then its choices
+fork from it (blocks shared, the partial tail copied on write): one prefill for all n, and in
+PD one KV transfer. Their first tokens are sampled together from the prompt's last logits,
+each with its own seed (``sampling.params.choice_seed``).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockCounts, BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_transfer import KVPayload, check_compatible
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, kv_pool_blocks
-from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, PrefillResult, RequestOutput, TokenLogprob
-from engine.request import GenerationRequest, Mode, Sequence, SequenceStatus
+from engine.outputs import (ABORT, EOS, LENGTH, STOP, TIMEOUT, ChoiceStart, PrefillResult, RequestOutput,
+                            TokenLogprob)
+from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
 from engine.scheduler import ScheduledBatch, Scheduler
 from sampling import SamplerOutput, SamplingParams, SamplingRow
-from sampling.params import MAX_SEED
+from sampling.params import MAX_SEED, choice_seed
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -38,15 +47,21 @@ class LLMEngine:
         self.loaded = load_model(config)
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.spec.vocab_size
-        self.blocks = BlockManager(kv_pool_blocks(config, self.loaded), config.block_size)
+        self.dtype = str(self.loaded.dtype).removeprefix("torch.")
+        self.blocks = BlockManager(kv_pool_blocks(config, self.loaded), config.block_size,
+                                   config.enable_prefix_caching)
         # A request can never hold more KV than the whole pool: past that it would preempt itself forever.
         self.max_model_len = min(self.loaded.max_model_len, self.blocks.num_blocks * config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded, self.blocks, config)
         self.runner.warm_up(config.max_num_batched_tokens)
-        self._seqs: dict[str, Sequence] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._kv_namespace = f"{self.loaded.model_id}:{self.dtype}".encode()
+        self._seqs: dict[tuple[str, int], Sequence] = {}
+        self._detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
+        logger.info("engine ready: model %s, dtype %s (asked: %s), %d KV blocks of %d tokens, prefix caching %s",
+                    self.loaded.path, self.dtype, config.dtype, self.blocks.num_blocks, config.block_size,
+                    "on" if config.enable_prefix_caching else "off")
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -64,92 +79,154 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids: {n} tokens leave no room to generate within the maximum "
                              f"length of {self.max_model_len} (the model's, or the KV pool's)")
         if mode is Mode.DECODE:
-            if prefill is None:
-                raise ValueError("prefill: decode needs the prefill result")
+            if prefill is None or not prefill.choices:
+                raise ValueError("prefill: decode needs the prefill result with at least one choice")
             check_compatible(prefill.kv.meta, self.runner.kv_meta(n), n)
+            bad = [c.index for c in prefill.choices if not 0 <= c.index < request.n]
+            if bad:
+                raise ValueError(f"prefill.choices: choice {bad[0]} is outside [0, n={request.n})")
 
     def add_request(self, request: GenerationRequest, mode: Mode = Mode.GENERATE,
-                    prefill: PrefillResult | None = None) -> None:
+                    prefill: PrefillResult | None = None, kv_export_start: int = 0) -> None:
+        """Queue a request. PREFILL mode exports the prompt's KV from token ``kv_export_start``
+        on (the decode side holds the tokens before it)."""
         self.validate(request, mode, prefill)
-        if request.request_id in self._seqs:
+        if request.request_id in {rid for rid, _ in self._seqs}:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
-        seed = prefill.seed if prefill else request.params.seed or random.randint(1, MAX_SEED)
         deadline = request.deadline or time.time() + self.config.default_timeout_s
-        seq = Sequence(request, seed, next(self._arrivals), mode, deadline)
-        detok = IncrementalDetokenizer(self.tokenizer, request.params.stop, request.params.skip_special_tokens)
+        if mode is Mode.DECODE:
+            choices = [PendingChoice(c.index, c.seed, c.first_token_id,
+                                     c.first_logprob.logprob if c.first_logprob else None) for c in prefill.choices]
+        else:
+            base = request.params.seed
+            choices = [PendingChoice(j, choice_seed(base, j) if base else random.randint(1, MAX_SEED))
+                       for j in range(request.n)]
+        seq = Sequence(request, choices[0].seed, next(self._arrivals), mode, deadline, self._kv_namespace,
+                       choices[0].index)
+        seq.pending_choices = choices[1:]
+        seq.kv_export_start = kv_export_start
         if mode is Mode.DECODE:
             seq.pending_kv = prefill.kv
-            seq.token_ids.append(prefill.first_token_id)
-            seq.first_token_time = seq.arrival_time
-            if prefill.first_logprob is not None:
-                seq.cumulative_logprob = prefill.first_logprob.logprob
-            detok.add(prefill.first_token_id)  # P released this token's text; start after it
-        self._seqs[request.request_id] = seq
-        self._detokenizers[request.request_id] = detok
+            self._start_from_first_token(seq, choices[0])
+        else:
+            self._add_detokenizer(seq)
+        self._seqs[seq.key] = seq
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str, reason: str = ABORT) -> RequestOutput | None:
-        """End a request wherever it is and free its blocks; None if it is not here."""
-        seq = self._seqs.get(request_id)
-        return self._finish(seq, reason, [], "", []) if seq else None
+    def _add_detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+        detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop, seq.params.skip_special_tokens)
+        self._detokenizers[seq.key] = detok
+        return detok
+
+    def _start_from_first_token(self, seq: Sequence, choice: PendingChoice) -> None:
+        """DECODE mode: the choice's first token came from P, whose text P already released."""
+        seq.token_ids.append(choice.first_token_id)
+        seq.first_token_time = seq.arrival_time
+        if choice.first_logprob is not None:
+            seq.cumulative_logprob = choice.first_logprob
+        self._add_detokenizer(seq).add(choice.first_token_id)
+
+    def abort(self, request_id: str, reason: str = ABORT) -> list[RequestOutput]:
+        """End every choice of a request wherever it is and free its blocks; [] if it is not here."""
+        return [out for seq in self._choices(request_id) for out in self._finish(seq, reason, [], "", [])]
+
+    def _choices(self, request_id: str) -> list[Sequence]:
+        return [seq for (rid, _), seq in self._seqs.items() if rid == request_id]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def active_request_ids(self) -> list[str]:
-        return list(self._seqs)
+        return list(dict.fromkeys(rid for rid, _ in self._seqs))
+
+    def block_counts(self) -> BlockCounts:
+        """Blocks held, cached (evictable) and free: every block is one of them."""
+        return self.blocks.counts()
 
     # ---- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         outputs = self._expire(time.time())
         batch = self.scheduler.schedule()
+        for seq, why in batch.unservable:
+            outputs += self._finish(seq, ABORT, [], "", [], error=why)
         if batch.entries:
-            rows = [self._sampling_row(seq) for seq, n in batch.entries if batch.samples(seq, n)]
-            sampled = self.runner.run(batch, rows)
-            outputs += self._postprocess(batch, sampled)
+            rows, repeats = [], []
+            for (seq, _), samples in zip(batch.entries, batch.sampling):
+                choices = self._sampled_choices(seq) if samples else []
+                rows += [self._sampling_row(seq, c.seed) for c in choices]
+                repeats.append(len(choices))
+            sampled = self.runner.run(batch, rows, repeats)
+            self.scheduler.commit(batch)
+            outputs += self._postprocess(batch, sampled, repeats)
         return outputs
+
+    def _sampled_choices(self, seq: Sequence) -> list[PendingChoice]:
+        """The choices whose next token this sequence's last logits give: its own, and at the
+        prompt's end the choices still to fork whose first token is not known yet."""
+        own = PendingChoice(seq.index, seq.seed)
+        return [own] + [c for c in seq.pending_choices if c.first_token_id is None]
 
     def _expire(self, now: float) -> list[RequestOutput]:
         expired = [seq for seq in self._seqs.values() if now >= seq.deadline]
-        return [self.abort(seq.request_id, TIMEOUT) for seq in expired]
+        return [out for seq in expired for out in self._finish(seq, TIMEOUT, [], "", [])]
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        return SamplingRow(seq.params, seq.seed, seq.prompt_ids, seq.output_ids, self._eos_ids(seq.params))
+    def _sampling_row(self, seq: Sequence, seed: int) -> SamplingRow:
+        return SamplingRow(seq.params, seed, seq.prompt_ids, seq.output_ids, self._eos_ids(seq.params))
 
     def _eos_ids(self, params: SamplingParams) -> list[int]:
         """The request's end id (TensorRT-LLM's end_id), else the model's EOS ids."""
         return [params.eos_token_id] if params.eos_token_id is not None else self.loaded.eos_token_ids
 
-    def _postprocess(self, batch: ScheduledBatch, sampled: SamplerOutput | None) -> list[RequestOutput]:
+    def _postprocess(self, batch: ScheduledBatch, sampled: SamplerOutput | None,
+                     repeats: list[int]) -> list[RequestOutput]:
         outputs, row = [], 0
-        for seq, n in batch.entries:
-            samples = batch.samples(seq, n)
-            seq.num_computed_tokens += n
-            if not samples:
+        for (seq, _), repeat in zip(batch.entries, repeats):
+            if not repeat:
                 continue
-            token = sampled.token_ids[row]
-            logprob = None
-            if sampled.logprobs[row] is not None:
-                logprob = TokenLogprob(token, sampled.logprobs[row], sampled.top_logprobs[row])
-            row += 1
-            outputs.append(self._append_token(seq, token, logprob))
+            tokens = [(sampled.token_ids[r], self._logprob(sampled, r)) for r in range(row, row + repeat)]
+            row += repeat
+            if seq.mode is Mode.PREFILL:
+                outputs += self._hand_over(seq, list(zip(self._sampled_choices(seq), tokens)))
+                continue
+            if seq.pending_choices:
+                outputs += self._fork_choices(seq, tokens[1:])
+            outputs += self._append_token(seq, *tokens[0])
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+    @staticmethod
+    def _logprob(sampled: SamplerOutput, row: int) -> TokenLogprob | None:
+        if sampled.logprobs[row] is None:
+            return None
+        return TokenLogprob(sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs[row])
+
+    def _fork_choices(self, seq: Sequence, sampled: list[tuple[int, TokenLogprob | None]]) -> list[RequestOutput]:
+        """The prompt is computed: start the request's other choices, sharing its blocks. Their
+        first tokens are ``sampled`` (GENERATE) or came from P (DECODE)."""
+        choices, seq.pending_choices = seq.pending_choices, []
+        outputs = []
+        for choice, token in itertools.zip_longest(choices, sampled):
+            child = self.scheduler.fork(seq, choice)
+            self._seqs[child.key] = child
+            if token is None:  # DECODE: continues after P's first token
+                self._start_from_first_token(child, choice)
+            else:
+                self._add_detokenizer(child)
+                outputs += self._append_token(child, *token)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> list[RequestOutput]:
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = time.time()
         if logprob is not None:
             seq.cumulative_logprob += logprob.logprob
         logprobs = [logprob] if logprob else []
-        text, stopped = self._detokenizers[seq.request_id].add(token)
+        text, stopped = self._detokenizers[seq.key].add(token)
         reason = self._finish_reason(seq, token, stopped)
         if reason is not None:
             return self._finish(seq, reason, [token], text, logprobs)
-        if seq.mode is Mode.PREFILL:
-            return self._hand_over(seq, token, text, logprobs)
-        return self._output(seq, [token], text, logprobs, finished=False)
+        return [self._output(seq, [token], text, logprobs, finished=False)]
 
     def _finish_reason(self, seq: Sequence, token: int, stopped_by_string: bool) -> str | None:
         p = seq.params
@@ -166,32 +243,68 @@ class LLMEngine:
             return LENGTH
         return None
 
-    def _hand_over(self, seq: Sequence, token: int, text: str, logprobs: list[TokenLogprob]) -> RequestOutput:
-        """PREFILL mode: export the prompt's KV, free the blocks, return the result for D."""
-        kv = KVPayload(self.runner.kv_meta(seq.num_prompt_tokens), self.runner.export_kv(seq))
-        result = PrefillResult(seq.request_id, token, logprobs[0] if logprobs else None, seq.seed, kv,
-                               (seq.first_token_time - seq.arrival_time) * 1000.0)
-        output = self._output(seq, [token], text, logprobs, finished=False)
-        output.prefill = result
+    def _hand_over(self, seq: Sequence, firsts: list[tuple[PendingChoice, tuple[int, TokenLogprob | None]]]
+                   ) -> list[RequestOutput]:
+        """PREFILL mode, the prompt computed: each choice reports its first token; those that it
+        does not finish go to D with one export of the prompt's KV. The blocks are freed here."""
+        seq.first_token_time = time.time()
+        outputs, going = [], []
+        for choice, (token, logprob) in firsts:
+            probe = seq.fork(choice)  # the choice as it stands after its first token, never scheduled
+            probe.token_ids.append(token)
+            detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop, seq.params.skip_special_tokens)
+            text, stopped = detok.add(token)
+            reason = self._finish_reason(probe, token, stopped)
+            output = RequestOutput(
+                request_id=seq.request_id, new_token_ids=[token], new_text=text, num_output_tokens=1,
+                finished=reason is not None, finish_reason=reason, seed=choice.seed,
+                logprobs=[logprob] if logprob else [], cumulative_logprob=logprob.logprob if logprob else None,
+                first_token_time=seq.first_token_time, arrival_time=seq.arrival_time, index=choice.index)
+            if output.finished:
+                output.new_text += detok.finish()
+                output.output_token_ids, output.text = [token], detok.text
+            else:
+                going.append((output, ChoiceStart(choice.index, token, logprob, choice.seed)))
+            outputs.append(output)
+        if going:
+            start = seq.kv_export_start
+            kv = KVPayload(self.runner.kv_meta(seq.num_prompt_tokens, start), self.runner.export_kv(seq, start))
+            result = PrefillResult(seq.request_id, [c for _, c in going], kv,
+                                   (seq.first_token_time - seq.arrival_time) * 1000.0)
+            for output, _ in going:
+                output.prefill = result
         self._release(seq)
-        return output
+        return outputs
 
     def _finish(self, seq: Sequence, reason: str, tokens: list[int], text: str,
-                logprobs: list[TokenLogprob]) -> RequestOutput:
+                logprobs: list[TokenLogprob], error: str | None = None) -> list[RequestOutput]:
+        """End ``seq`` (and its choices still to fork, which end with it)."""
+        outputs = [self._end_unforked(seq, choice, reason, error) for choice in seq.pending_choices]
         seq.finish_reason = reason
-        detok = self._detokenizers[seq.request_id]
+        detok = self._detokenizers[seq.key]
         text += detok.finish()
         output = self._output(seq, tokens, text, logprobs, finished=True)
         output.output_token_ids = seq.output_ids
         output.text = detok.text
+        output.error = error
         self._release(seq)
-        return output
+        return outputs + [output]
+
+    def _end_unforked(self, seq: Sequence, choice: PendingChoice, reason: str, error: str | None) -> RequestOutput:
+        """The final output of a choice that never forked (its request ended before the prompt did)."""
+        tokens = [choice.first_token_id] if choice.first_token_id is not None else []
+        text = self.tokenizer.decode(tokens, skip_special_tokens=seq.params.skip_special_tokens) if tokens else ""
+        return RequestOutput(request_id=seq.request_id, new_token_ids=[], new_text="",
+                             num_output_tokens=len(tokens), finished=True, finish_reason=reason, seed=choice.seed,
+                             first_token_time=seq.first_token_time, arrival_time=seq.arrival_time, error=error,
+                             output_token_ids=tokens, text=text, index=choice.index)
 
     def _release(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
+        seq.pending_choices = []
         self.scheduler.remove(seq)
-        del self._seqs[seq.request_id]
-        del self._detokenizers[seq.request_id]
+        del self._seqs[seq.key]
+        del self._detokenizers[seq.key]
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob],
                 finished: bool) -> RequestOutput:
@@ -200,30 +313,44 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=tokens, new_text=text, num_output_tokens=seq.num_output_tokens,
             finished=finished, finish_reason=seq.finish_reason, seed=seq.seed, logprobs=logprobs,
             cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-            first_token_time=seq.first_token_time, arrival_time=seq.arrival_time)
+            first_token_time=seq.first_token_time, arrival_time=seq.arrival_time, index=seq.index)
 
     # ---- synchronous helpers (tests, benchmarks, the CLI) ------------------------------
 
     def run_to_completion(self) -> dict[str, list[RequestOutput]]:
-        """Step until no request is left; every output, grouped by request."""
+        """Step until no request is left; every output, grouped by request (choices interleaved)."""
         streams: dict[str, list[RequestOutput]] = {}
         while self.has_work():
             for out in self.step():
                 streams.setdefault(out.request_id, []).append(out)
         return streams
 
-    def generate(self, requests: list[GenerationRequest]) -> dict[str, RequestOutput]:
-        """Run requests together to the end; each request's last output."""
+    @staticmethod
+    def final_choices(streams: dict[str, list[RequestOutput]]) -> dict[str, list[RequestOutput]]:
+        """Each request's last output per choice, by choice index."""
+        finals: dict[str, list[RequestOutput]] = {}
+        for rid, outs in streams.items():
+            last = {out.index: out for out in outs}
+            finals[rid] = [last[i] for i in sorted(last)]
+        return finals
+
+    def generate_choices(self, requests: list[GenerationRequest]) -> dict[str, list[RequestOutput]]:
+        """Run requests together to the end; each request's last output per choice."""
         for request in requests:
             self.add_request(request)
-        return {rid: outs[-1] for rid, outs in self.run_to_completion().items()}
+        return self.final_choices(self.run_to_completion())
+
+    def generate(self, requests: list[GenerationRequest]) -> dict[str, RequestOutput]:
+        """Run requests together to the end; each request's last output (its first choice's)."""
+        return {rid: outs[0] for rid, outs in self.generate_choices(requests).items()}
 
     def prefill(self, requests: list[GenerationRequest]) -> dict[str, RequestOutput]:
+        """PREFILL mode to the end; each request's first choice's output (``prefill`` set when it goes on)."""
         for request in requests:
             self.add_request(request, Mode.PREFILL)
-        return {rid: outs[-1] for rid, outs in self.run_to_completion().items()}
+        return {rid: outs[0] for rid, outs in self.final_choices(self.run_to_completion()).items()}
 
     def decode(self, pairs: list[tuple[GenerationRequest, PrefillResult]]) -> dict[str, RequestOutput]:
         for request, prefill in pairs:
             self.add_request(request, Mode.DECODE, prefill)
-        return {rid: outs[-1] for rid, outs in self.run_to_completion().items()}
+        return {rid: outs[0] for rid, outs in self.final_choices(self.run_to_completion()).items()}

@@ -60,8 +60,33 @@ def resolve_model_dir(name: str) -> Path:
             f"or {TINY_LLAMA!r}") from None
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
+def torch_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """The dtype named, or for "auto" bfloat16 where ``device`` computes it natively, else float32."""
+    if name != "auto":
+        return getattr(torch, name)
+    return torch.bfloat16 if native_bf16(device or torch.device("cpu")) else torch.float32
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run natively: AMX or AVX512-BF16 on an x86 CPU (without them torch
+    emulates bf16, slower than float32), bf16 support on a GPU or NPU."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "npu":
+        return bool(getattr(torch.npu, "is_bf16_supported", lambda: False)())
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,7 +102,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     path = resolve_model_dir(config.model)
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     spec = model_spec(hf_config)
-    dtype, device = torch_dtype(config.dtype), resolve_device(config.device)
+    device = resolve_device(config.device)
+    dtype = torch_dtype(config.dtype, device)
     model = DecoderModel(spec)
     model.load_state_dict(_fused_state_dict(path, spec), strict=True)
     model.to(device=device, dtype=dtype).eval()

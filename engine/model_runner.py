@@ -1,7 +1,8 @@
 """The model runner owns the device: the weights, the KV pool, the forward and the sampler.
 
 ``run`` turns a ScheduledBatch into one flat batch of tokens, runs one forward over it,
-computes logits only for the rows that sample, and samples them.
+computes logits only for the rows that sample, and samples them. Before the forward it
+writes imported KV and makes the block copies of copy-on-write.
 """
 
 from __future__ import annotations
@@ -19,14 +20,18 @@ from engine.scheduler import ScheduledBatch
 from sampling import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 
 
+def kv_bytes_per_token(loaded: LoadedModel) -> int:
+    """K and V of every layer for one token, in the model's dtype."""
+    spec = loaded.spec
+    element = torch.empty((), dtype=loaded.dtype).element_size()
+    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * element
+
+
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     """Blocks in the pool: ``num_blocks``, or as many as ``kv_cache_memory_gb`` holds."""
     if config.num_blocks is not None:
         return config.num_blocks
-    spec = loaded.spec
-    element = torch.empty((), dtype=loaded.dtype).element_size()
-    block_bytes = spec.num_layers * 2 * config.block_size * spec.num_kv_heads * spec.head_dim * element
-    return max(1, int(config.kv_cache_memory_gb * (1 << 30)) // block_bytes)
+    return max(1, int(config.kv_cache_memory_gb * (1 << 30)) // (config.block_size * kv_bytes_per_token(loaded)))
 
 
 class ModelRunner:
@@ -40,6 +45,9 @@ class ModelRunner:
                                     spec.head_dim, dtype=loaded.dtype, device=self.device)
         self.sampler = Sampler(self.device, spec.vocab_size, config.top_k_guess, config.sampler_backend)
         self.windows = set(spec.layer_windows)
+        # Step inputs, allocated once: [max tokens per step] each, filled from one host array.
+        self._inputs = torch.zeros(3, config.max_num_batched_tokens, dtype=torch.int64)  # ids, positions, slots
+        self._inputs_np = self._inputs.numpy()
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:
@@ -48,54 +56,67 @@ class ModelRunner:
         into pool slots that no sequence owns yet; every slot is written by its owner before
         it is read."""
         num_tokens = min(num_tokens, self.kv_cache.shape[2], self.loaded.spec.max_position)
-        slots = list(range(num_tokens))
-        attn = build_attention_batch(slots, [], [(0, num_tokens, 0, slots)], self.windows, self.blocks.block_size,
-                                     self.device)
         positions = torch.arange(num_tokens, device=self.device)
+        attn = build_attention_batch(positions, [], [(0, num_tokens, 0, list(range(num_tokens)))], self.windows,
+                                     self.blocks.block_size, self.device)
         hidden = self.loaded.model(torch.zeros_like(positions), positions, attn, self.kv_cache)
         self.loaded.model.compute_logits(hidden[-1:])
 
-    def kv_meta(self, num_tokens: int) -> KVMeta:
+    def kv_meta(self, num_tokens: int, start: int = 0) -> KVMeta:
         spec = self.loaded.spec
         return KVMeta(self.loaded.model_id, str(self.loaded.dtype).removeprefix("torch."), spec.num_layers,
-                      spec.num_kv_heads, spec.head_dim, num_tokens)
+                      spec.num_kv_heads, spec.head_dim, num_tokens, start)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, rows: list[SamplingRow]) -> SamplerOutput | None:
-        """One forward over every entry of ``batch``; sample for the entries that reach their
-        last token (``rows``, in entry order). Imports pending KV first."""
-        for seq in batch.kv_imports:
-            self.import_kv(seq)
-        input_ids, positions, slot_mapping, decodes, prefills, sample_rows = [], [], [], [], [], []
-        for seq, n in batch.entries:
+    def run(self, batch: ScheduledBatch, rows: list[SamplingRow], rows_per_entry: list[int]) -> SamplerOutput | None:
+        """One forward over every entry of ``batch``; sample ``rows_per_entry[i]`` rows from the
+        last token of each entry that reaches its end (``rows``, in entry order: one per choice
+        when a prompt's choices are sampled together)."""
+        for seq, first in batch.kv_imports:
+            self.import_kv(seq, first)
+        self.copy_blocks(batch.block_copies)
+        decodes, prefills, sample_rows = [], [], []
+        inputs, flat = self._inputs_np, 0  # [3, N]: ids, positions, slots
+        for (seq, n), samples, repeat in zip(batch.entries, batch.sampling, rows_per_entry):
             start = seq.num_computed_tokens
-            flat = len(input_ids)
-            input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            slot_mapping.extend(self.blocks.slots(seq, start, start + n))
+            inputs[0, flat:flat + n] = seq.token_ids[start:start + n]
+            inputs[1, flat:flat + n] = np.arange(start, start + n)
+            slots = self.blocks.slots(seq, 0 if n > 1 else start, start + n)
+            inputs[2, flat:flat + n] = slots[-n:]
             if n == 1:
                 decodes.append((flat, start + 1, seq.block_table))
             else:
-                prefills.append((flat, n, start, self.blocks.slots(seq, 0, start + n)))
-            if batch.samples(seq, n):
-                sample_rows.append(flat + n - 1)
+                prefills.append((flat, n, start, slots))
+            sample_rows += [flat + n - 1] * repeat
+            flat += n
+        ids, positions, slot_mapping = self._inputs[:, :flat].to(self.device)
         attn = build_attention_batch(slot_mapping, decodes, prefills, self.windows, self.blocks.block_size,
                                      self.device)
         model = self.loaded.model
-        hidden = model(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
-                       attn, self.kv_cache)  # [N, H]
+        hidden = model(ids, positions, attn, self.kv_cache)  # [N, H]
         if not sample_rows:
             return None
         logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [R, V]
         return self.sampler(logits, SamplingBatch.build(rows, self.loaded.spec.vocab_size, self.device))
 
-    def export_kv(self, seq: Sequence) -> np.ndarray:
-        """The KV of the prompt's tokens as one contiguous array [L, 2, T, Hkv, D]."""
-        slots = torch.tensor(self.blocks.slots(seq, 0, seq.num_prompt_tokens), device=self.device)
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst gets src's KV in every layer."""
+        if copies:
+            by_block = self.kv_cache.view(*self.kv_cache.shape[:2], self.blocks.num_blocks, -1)  # [L, 2, NB, B*H*D]
+            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
+            by_block[:, :, dst] = by_block[:, :, src]
+
+    def export_kv(self, seq: Sequence, start: int = 0) -> np.ndarray:
+        """The KV of prompt tokens [start, prompt length) as one array [L, 2, T, Hkv, D]."""
+        slots = torch.tensor(self.blocks.slots(seq, start, seq.num_prompt_tokens), device=self.device)
         return tensor_to_numpy(self.kv_cache[:, :, slots])
 
-    def import_kv(self, seq: Sequence) -> None:
+    def import_kv(self, seq: Sequence, first: int) -> None:
+        """Write the pending payload's tokens [first, prompt length) into ``seq``'s slots; the
+        tokens before ``first`` are already there (prefix-cache hits)."""
         payload = seq.pending_kv
-        slots = torch.tensor(self.blocks.slots(seq, 0, payload.meta.num_tokens), device=self.device)
-        self.kv_cache[:, :, slots] = numpy_to_tensor(payload.data, self.loaded.dtype).to(self.device)
+        data = numpy_to_tensor(payload.data, self.loaded.dtype)[:, :, first - payload.meta.start:]
+        slots = torch.tensor(self.blocks.slots(seq, first, payload.meta.num_tokens), device=self.device)
+        if slots.numel():
+            self.kv_cache[:, :, slots] = data.to(self.device)
         seq.pending_kv = None

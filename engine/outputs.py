@@ -22,20 +22,32 @@ class TokenLogprob:
 
 
 @dataclass
-class PrefillResult:
-    """What P hands to D: the first token and the prompt's KV."""
+class ChoiceStart:
+    """A choice that goes on to D: its first token (sampled on P) and its seed."""
 
-    request_id: str
+    index: int
     first_token_id: int
     first_logprob: TokenLogprob | None
     seed: int
+
+
+@dataclass
+class PrefillResult:
+    """What P hands to D: the prompt's KV once, and the first token of each choice still going."""
+
+    request_id: str
+    choices: list[ChoiceStart]
     kv: KVPayload
     prefill_time_ms: float  # arrival at P to the first token
+
+    @property
+    def seed(self) -> int:
+        return self.choices[0].seed
 
 
 @dataclass
 class RequestOutput:
-    """The tokens one request produced in one engine step (streamed to the caller)."""
+    """The tokens one choice of a request produced in one engine step (streamed to the caller)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -46,10 +58,11 @@ class RequestOutput:
     seed: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float | None = None
-    prefill: PrefillResult | None = None  # set on the last output of a PREFILL request
+    prefill: PrefillResult | None = None  # PREFILL mode: set on the first-token outputs of the choices going to D
     first_token_time: float | None = None
     arrival_time: float | None = None
     error: str | None = None  # set when the engine failed this request
     # On the last output only: every output token (P's first included) and the whole text.
     output_token_ids: list[int] | None = None
     text: str | None = None
+    index: int = 0  # the choice (0 .. n - 1)

@@ -9,6 +9,7 @@ import time
 from sampling import SamplingParams
 
 PRIORITY_MIN, PRIORITY_MAX = 1, 5  # 1 is served first
+MAX_CHOICES = 128  # n: choices of one request, sharing its prompt's prefill
 
 
 @dataclass
@@ -18,12 +19,15 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = PRIORITY_MAX
     deadline: float | None = None  # absolute, time.time() seconds; None: now + default timeout
+    n: int = 1  # choices; they share one prefill and fork from it (seeds: sampling.params.choice_seed)
 
     def __post_init__(self) -> None:
         if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
             raise ValueError(f"priority: must be in [{PRIORITY_MIN}, {PRIORITY_MAX}]")
         if not self.prompt_token_ids:
             raise ValueError("prompt_token_ids: must be non-empty")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n: must be in [1, {MAX_CHOICES}]")
 
 
 class SequenceStatus(Enum):
@@ -38,17 +42,31 @@ class Mode(Enum):
     DECODE = "decode"  # start from imported KV and the first token
 
 
-class Sequence:
-    """A request inside the engine: its tokens, its KV blocks and its progress.
+@dataclass
+class PendingChoice:
+    """A choice that will fork from its request's first sequence once the prompt is computed.
+    ``first_token_id`` is known in DECODE mode (P sampled it); else it is sampled at the fork."""
 
-    ``token_ids`` is prompt + output. ``num_computed_tokens`` of them have KV in the
-    blocks of ``block_table``; the rest are computed by the next steps. Preemption frees
-    the blocks and sets ``num_computed_tokens`` to 0: the tokens are recomputed.
+    index: int
+    seed: int
+    first_token_id: int | None = None
+    first_logprob: float | None = None
+
+
+class Sequence:
+    """One choice of a request inside the engine: its tokens, its KV blocks and its progress.
+
+    ``token_ids`` is prompt + output. ``num_computed_tokens`` of them have KV in the blocks of
+    ``block_table``; the rest are computed by the next steps. The scheduler is the only writer
+    of ``num_computed_tokens`` (admission, step commit, preemption). Blocks are shared by ref
+    count (engine/block_manager.py): with other requests through the prefix cache, and with
+    the other choices of the same request after a fork.
     """
 
     def __init__(self, request: GenerationRequest, seed: int, arrival_index: int, mode: Mode,
-                 deadline: float) -> None:
+                 deadline: float, kv_namespace: bytes = b"", index: int = 0) -> None:
         self.request_id = request.request_id
+        self.index = index  # choice index within the request
         self.params = request.params
         self.priority = request.priority
         self.deadline = deadline
@@ -65,6 +83,16 @@ class Sequence:
         self.finish_reason: str | None = None
         self.cumulative_logprob = 0.0
         self.pending_kv = None  # a KVPayload to import when admitted (Mode.DECODE)
+        self.pending_choices: list[PendingChoice] = []  # forked once the prompt is computed
+        self.kv_export_start = 0  # PREFILL mode: export the prompt's KV from this token on
+        # The KV's content key: everything besides the tokens that changes a block's KV (the
+        # model and dtype today; a LoRA adapter or prompt table id when those exist).
+        self.kv_namespace = kv_namespace
+        self.block_hashes: list[bytes] = []  # chained keys of the full blocks, memoised (tokens never change)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request_id, self.index
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +111,22 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def order_key(self) -> tuple[int, int]:
-        """Smaller is served first: priority, then arrival."""
-        return self.priority, self.arrival_index
+    def order_key(self) -> tuple[int, int, int]:
+        """Smaller is served first: priority, then arrival, then choice."""
+        return self.priority, self.arrival_index, self.index
+
+    def fork(self, choice: PendingChoice) -> "Sequence":
+        """A sibling choice: the same prompt and progress through it, its own seed and output.
+        The caller shares the blocks (BlockManager.fork) and appends the child's first token."""
+        child = object.__new__(Sequence)
+        child.__dict__.update(self.__dict__)
+        child.index, child.seed = choice.index, choice.seed
+        child.token_ids = self.token_ids[: self.num_prompt_tokens]
+        child.block_table = []
+        child.num_computed_tokens = min(self.num_computed_tokens, self.num_prompt_tokens)
+        child.cumulative_logprob = 0.0
+        child.pending_kv = None
+        child.pending_choices = []
+        child.finish_reason = None
+        child.block_hashes = []  # the parent's may cover its own output tokens; recomputed on demand
+        return child

@@ -11,6 +11,11 @@ Policy:
   running request is preempted (blocks freed, requeued for recomputation), which may be the
   request itself; a request never preempts one of higher priority. A waiting request
   preempts only running requests of strictly lower priority.
+- prefix caching: a waiting request first takes the cached blocks that hold its leading full
+  blocks (``BlockManager.computed_prefix``) and computes from there; a request whose KV
+  arrives from P takes its hits and imports only the rest;
+- a request with n choices is admitted as one sequence; the others fork from it once its
+  prompt is computed (``fork``), so admission keeps room in ``max_num_seqs`` for them.
 """
 
 from __future__ import annotations
@@ -19,18 +24,19 @@ from dataclasses import dataclass, field
 import heapq
 
 from engine.block_manager import BlockManager
-from engine.request import Sequence, SequenceStatus
+from engine.request import PendingChoice, Sequence, SequenceStatus
 
 
 @dataclass
 class ScheduledBatch:
     entries: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
-    kv_imports: list[Sequence] = field(default_factory=list)  # write their pending KV before the forward
+    sampling: list[bool] = field(default_factory=list)  # per entry: its chunk reaches its last token
+    # (sequence, first token to import): write pending KV from there on, before the forward;
+    # the tokens before it were prefix-cache hits.
+    kv_imports: list[tuple[Sequence, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
     preempted: list[Sequence] = field(default_factory=list)
-
-    def samples(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Whether this step's chunk reaches the sequence's last token, so it samples the next one."""
-        return seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+    unservable: list[tuple[Sequence, str]] = field(default_factory=list)  # taken out of the queue, with why
 
 
 class Scheduler:
@@ -38,9 +44,10 @@ class Scheduler:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by order_key
+        self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []  # heap by order_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not hits, not imports)
 
     @property
     def waiting(self) -> list[Sequence]:
@@ -62,6 +69,22 @@ class Scheduler:
             heapq.heapify(self._waiting)
         self.blocks.free(seq)
 
+    def fork(self, parent: Sequence, choice: PendingChoice) -> Sequence:
+        """Start a sibling choice of a running ``parent`` on the parent's computed prompt."""
+        child = parent.fork(choice)
+        self.blocks.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return child
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """The forward ran: the scheduled tokens are computed, and their full blocks are cached."""
+        for seq, n in batch.entries:
+            start = seq.num_computed_tokens
+            self.num_prompt_tokens_computed += max(0, min(start + n, seq.num_prompt_tokens) - start)
+            seq.num_computed_tokens = start + n
+            self.blocks.cache_full_blocks(seq)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
@@ -75,39 +98,52 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._make_room(seq, n, batch):
                 continue
-            self.blocks.grow(seq, n)
+            batch.block_copies += self.blocks.allocate(seq, seq.num_computed_tokens + n)
             batch.entries.append((seq, n))
             budget -= n
         # Running requests that lost blocks this step come before anything new.
         if len(batch.preempted) == preempted_for_waiting:
             self._admit(batch, budget)
+        batch.sampling = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in batch.entries]
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self._waiting and budget > 0 and self._has_room_for(self._waiting[0][1]):
             seq = self._waiting[0][1]
-            cached, n = self._first_chunk(seq, budget)
-            if self.blocks.blocks_needed(seq, cached + n) > self.blocks.num_free:
+            hits = self.blocks.computed_prefix(seq)
+            computed, n = self._first_chunk(seq, len(hits) * self.blocks.block_size, budget)
+            if seq.pending_kv is not None and seq.pending_kv.meta.start > len(hits) * self.blocks.block_size:
+                heapq.heappop(self._waiting)
+                batch.unservable.append((seq, f"kv.start: the KV sent begins at token {seq.pending_kv.meta.start}, "
+                                              f"and this engine holds only the first {len(hits) * self.blocks.block_size}"))
+                continue
+            if not self.blocks.can_allocate(seq, computed + n, hits):
                 break
             heapq.heappop(self._waiting)
-            self.blocks.grow(seq, cached + n)
+            self.blocks.record_lookup(seq.num_tokens, len(hits) * self.blocks.block_size)
+            batch.block_copies += self.blocks.allocate(seq, computed + n, hits)
             if seq.pending_kv is not None:
-                seq.num_computed_tokens = cached
-                batch.kv_imports.append(seq)
+                batch.kv_imports.append((seq, len(hits) * self.blocks.block_size))
+            seq.num_computed_tokens = computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.entries.append((seq, n))
             budget -= n
 
+    def _has_room_for(self, seq: Sequence) -> bool:
+        """A request is admitted with room for its choices still to fork (unless nothing runs)."""
+        return not self.running or len(self.running) + 1 + len(seq.pending_choices) <= self.max_num_seqs
+
     @staticmethod
-    def _first_chunk(seq: Sequence, budget: int) -> tuple[int, int]:
-        """(tokens whose KV arrives imported, tokens to compute now) for a waiting sequence."""
-        cached = seq.pending_kv.meta.num_tokens if seq.pending_kv is not None else 0
-        return cached, min(seq.num_tokens - cached, budget)
+    def _first_chunk(seq: Sequence, hit_tokens: int, budget: int) -> tuple[int, int]:
+        """(tokens computed on admission: prefix hits, or the prompt when its KV arrives imported;
+        tokens to compute now) for a waiting sequence."""
+        computed = seq.pending_kv.meta.num_tokens if seq.pending_kv is not None else hit_tokens
+        return computed, min(seq.num_tokens - computed, budget)
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Preempt until ``seq`` can grow by n tokens; False if ``seq`` itself was preempted."""
-        while not self.blocks.can_grow(seq, n):
+        while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
             victim = max(self.running, key=lambda s: s.order_key)
             self._preempt(victim, batch)
             if victim is seq:
@@ -119,8 +155,9 @@ class Scheduler:
         if not self._waiting:
             return
         head = self._waiting[0][1]
-        cached, n = self._first_chunk(head, self.max_num_batched_tokens)
-        while self.blocks.blocks_needed(head, cached + n) > self.blocks.num_free:
+        hits = self.blocks.computed_prefix(head)
+        computed, n = self._first_chunk(head, len(hits) * self.blocks.block_size, self.max_num_batched_tokens)
+        while not self.blocks.can_allocate(head, computed + n, hits):
             lower = [s for s in self.running if s.priority > head.priority]
             if not lower:
                 return
@@ -129,6 +166,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        seq.num_computed_tokens = 0  # recomputed on readmission (prefix hits make that cheap)
         batch.preempted.append(seq)
         self.num_preemptions += 1
         self.add(seq)

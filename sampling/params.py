@@ -77,6 +77,12 @@ class SamplingParams:
         return ids
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed``: choice 0 keeps it, the
+    others take the next ones (wrapping within [1, MAX_SEED]); independent and reproducible."""
+    return seed if index == 0 else (seed + index - 1) % MAX_SEED + 1
+
+
 def _check(ok: bool, name: str, rule: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {rule}")

@@ -53,14 +53,14 @@ def test_preemption_never_takes_blocks_from_higher_priority():
             # Every request still scheduled this step is served before the victim.
             assert all(key < victim.order_key for key in running_keys.values()), (victim.request_id, running_keys)
             preempted_log.append(victim.request_id)
-        for s, n in batch.entries:  # pretend the model ran: KV computed, one token sampled when due
-            due = batch.samples(s, n)
-            s.num_computed_tokens += n
+        scheduler.commit(batch)  # pretend the model ran: KV computed, one token sampled when due
+        for (s, n), due in zip(batch.entries, batch.sampling):
             if due:
                 s.token_ids.append(9)
             if s.num_tokens == 16:
                 scheduler.remove(s)
-        assert blocks.num_used == sum(len(s.block_table) for s in scheduler.running)
+        # The prompts share their first blocks: a block held by several sequences counts once.
+        assert blocks.num_used == len({b for s in scheduler.running for b in s.block_table})
     assert preempted_log, "the pool was meant to run out"
     assert not scheduler.has_work() and blocks.num_free == blocks.num_blocks
     assert "p1-early" not in preempted_log
@@ -102,10 +102,10 @@ def test_abort_running_and_waiting_frees_blocks(tiny_engine_config):
     for _ in range(3):
         engine.step()
     assert engine.blocks.num_used > 0
-    running = engine.abort("r0")
-    waiting = engine.abort("r3")
+    [running] = engine.abort("r0")
+    [waiting] = engine.abort("r3")
     assert running.finish_reason == waiting.finish_reason == "abort"
-    assert engine.abort("r0") is None
+    assert engine.abort("r0") == []
     results = {rid: outs[-1] for rid, outs in engine.run_to_completion().items()}
     assert set(results) == {"r1", "r2"}
     assert engine.blocks.num_free == engine.blocks.num_blocks
