@@ -1,11 +1,14 @@
-"""Engine throughput against transformers, with the machine's roofline beside it.
+"""Engine throughput against transformers and vLLM's CPU backend, with the machine's floors beside it.
 
 One run, one machine, one workload: (a) transformers ``generate`` with one static batch,
-(b) transformers' continuous-batching ``generate_batch``, (c) pdserve's engine. Default
-workload: 32 prompts x 128 tokens in, 64 out, EOS ignored, greedy, a random model shaped
-like SmolLM-135M cut to 8 layers, float32.
+(b) transformers' continuous-batching ``generate_batch``, (c) pdserve's engine, (d) vLLM's
+CPU backend when its venv exists (``make bench-vllm`` builds .venv-vllm), on the same model
+directory and prompts, run back to back; (e) the matmul-chain floor: the model's own linear
+layers chained at the same batch shapes as the engine's steps (prefill chunks, then one decode
+step per output token), nothing else. Default workload: 32 prompts x 128 tokens in, 64 out,
+EOS ignored, greedy, a random model shaped like SmolLM-135M cut to 8 layers.
 
-    python benchmarks/engine_throughput.py [--json PATH] [--device cpu|cuda]
+    python benchmarks/engine_throughput.py [--dtype float32|bfloat16] [--json PATH] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass
 import json
+import os
 from pathlib import Path
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import copy_bandwidth, matmul_flops  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.loader import cpu_flags  # noqa: E402
+from engine.model import linear  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
 from engine.tiny_model import ensure_tiny_model  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
@@ -106,6 +113,60 @@ def time_hf_generate_batch(model, ids: list[list[int]], w: Workload) -> float:
     return elapsed
 
 
+def time_matmul_chain(w: Workload, chunk: int = 2048) -> float:
+    """The floor: the model's linear layers (and LM head for the sampling rows) at the engine's
+    step shapes: prefill in chunks of ``chunk`` tokens, then output_len - 1 decode steps of
+    num_prompts rows. Weights random, in the workload's dtype, through the engine's ``linear``."""
+    c, dtype, device = SMOLLM_8L, getattr(torch, w.dtype), w.device
+    h, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    head_dim = h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    weight = lambda o, i: torch.randn(o, i, dtype=dtype, device=device) * 0.02  # noqa: E731
+    layers = [(weight(q + 2 * kv, h), weight(h, q), weight(2 * inter, h), weight(h, inter))
+              for _ in range(c["num_hidden_layers"])]
+    head = weight(vocab, h)
+
+    def step(rows: int, sampled: int) -> None:
+        x = torch.randn(rows, h, dtype=dtype, device=device)
+        attention_out = torch.randn(rows, q, dtype=dtype, device=device)  # attention itself is not counted
+        for qkv, o, gate_up, down in layers:
+            linear(x, qkv)
+            x = linear(attention_out, o)
+            x = linear(linear(x, gate_up)[:, :inter], down)
+        linear(x[:sampled], head)
+
+    total = w.num_prompts * w.input_len
+    step(min(chunk, total), 1)  # warm-up
+    start = time.perf_counter()
+    for first in range(0, total, chunk):
+        rows = min(chunk, total - first)
+        step(rows, rows // w.input_len)
+    for _ in range(w.output_len - 1):
+        step(w.num_prompts, w.num_prompts)
+    return time.perf_counter() - start
+
+
+def time_vllm(model_dir: Path, ids: list[list[int]], w: Workload, venv: Path) -> float | None:
+    """vLLM CPU on the same model directory and prompts, in its own venv; None when absent."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return None
+    work = model_dir / "vllm_workload.json"
+    work.write_text(json.dumps({"model": str(model_dir), "dtype": w.dtype, "prompts": ids,
+                                "output_len": w.output_len, "max_num_seqs": 256}))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
+                                                      f"0-{torch.get_num_threads() - 1}")}
+    run = subprocess.run([str(python), str(Path(__file__).with_name("vllm_offline.py")), str(work)], env=env,
+                         capture_output=True, text=True, timeout=1800)
+    if run.returncode != 0:
+        print(f"vLLM failed (exit {run.returncode}):\n{run.stderr[-3000:]}", file=sys.stderr)
+        return None
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["generated"] == w.num_prompts * w.output_len
+    return result["seconds"]
+
+
 def time_engine(model_dir: Path, ids: list[list[int]], w: Workload) -> float:
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=w.dtype, device=w.device, kv_cache_memory_gb=1.0))
     params = SamplingParams(max_new_tokens=w.output_len, temperature=0.0, ignore_eos=True)
@@ -123,9 +184,12 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--skip-hf-batch", action="store_true", help="leave out generate_batch")
+    parser.add_argument("--vllm-venv", type=Path, default=Path(__file__).resolve().parents[1] / ".venv-vllm",
+                        help="a venv with vllm-cpu (make bench-vllm); skipped when absent")
     args = parser.parse_args()
-    w = Workload(args.num_prompts, args.input_len, args.output_len, "float32", args.device)
+    w = Workload(args.num_prompts, args.input_len, args.output_len, args.dtype, args.device)
     from transformers import AutoModelForCausalLM
 
     flops, bandwidth = matmul_flops(), copy_bandwidth()
@@ -133,7 +197,7 @@ def main() -> None:
     ids = prompts(w)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp))
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(w.device).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, w.dtype)).to(w.device).eval()
         time_hf_generate(hf, [p[:16] for p in ids[:2]], Workload(2, 16, 2, w.dtype, w.device))  # warm-up
         generated = w.num_prompts * w.output_len
         rates = {"hf_generate_tok_s": generated / time_hf_generate(hf, ids, w)}
@@ -141,21 +205,32 @@ def main() -> None:
             rates["hf_generate_batch_tok_s"] = generated / time_hf_generate_batch(hf, ids, w)
         del hf
         rates["engine_tok_s"] = generated / time_engine(model_dir, ids, w)
+        vllm_seconds = time_vllm(model_dir, ids, w, args.vllm_venv) if w.device == "cpu" else None
+        if vllm_seconds is not None:
+            rates["vllm_cpu_tok_s"] = generated / vllm_seconds
+        rates["matmul_chain_tok_s"] = generated / time_matmul_chain(w)
     best_hf = max(v for k, v in rates.items() if k.startswith("hf_"))
     result = {**rates, "roofline_tok_s": roofline, "engine_vs_best_hf": rates["engine_tok_s"] / best_hf,
-              "engine_vs_roofline": rates["engine_tok_s"] / roofline, "matmul_gflop_s": flops / 1e9,
+              "engine_vs_roofline": rates["engine_tok_s"] / roofline,
+              "engine_vs_matmul_chain": rates["engine_tok_s"] / rates["matmul_chain_tok_s"],
+              "engine_vs_vllm": rates["engine_tok_s"] / rates["vllm_cpu_tok_s"] if vllm_seconds else None,
+              "cpu_flags": sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}),
+              "matmul_gflop_s": flops / 1e9,
               "copy_gb_s": bandwidth / 1e9, "torch_threads": torch.get_num_threads(),
               "workload": {**asdict(w), **shape, "model": "SmolLM-135M shape, 8 layers, random"}}
     print(f"machine: matmul {flops / 1e9:.1f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s, "
           f"{torch.get_num_threads()} threads")
     print(f"workload: {w.num_prompts} prompts x {w.input_len} in, {w.output_len} out, {w.dtype}, {w.device}")
     print(f"{'system':<28}{'tok/s':>10}{'vs engine':>12}")
-    for name in ("hf_generate_tok_s", "hf_generate_batch_tok_s", "engine_tok_s", "roofline_tok_s"):
+    for name in ("hf_generate_tok_s", "hf_generate_batch_tok_s", "vllm_cpu_tok_s", "engine_tok_s", "matmul_chain_tok_s",
+                 "roofline_tok_s"):
         value = result.get(name)
         if value is not None:
             print(f"{name:<28}{value:>10.1f}{value / rates['engine_tok_s']:>12.2f}")
     print(f"engine / best HF = {result['engine_vs_best_hf']:.2f}x, engine / roofline = "
-          f"{result['engine_vs_roofline']:.0%}")
+          f"{result['engine_vs_roofline']:.0%}, engine / matmul chain = {result['engine_vs_matmul_chain']:.0%}")
+    if result["engine_vs_vllm"] is not None:
+        print(f"engine / vLLM CPU = {result['engine_vs_vllm']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -32,7 +32,12 @@ class SamplingRow:
 @dataclass
 class SamplingBatch:
     rows: list[SamplingRow]
-    greedy: torch.Tensor  # [R] bool
+    # Row partitions known on the host when the batch is built, so that the sampler does not
+    # read them back from the device (one host sync per step: the sampled ids).
+    greedy_rows: torch.Tensor  # [Rg] int64: rows that take the argmax
+    sampled_rows: torch.Tensor  # [Rs] int64: the others
+    min_p_rows: torch.Tensor  # [Rm] int64: sampled rows with min-p on
+    scales_temperature: bool  # some row's temperature is not 1
     temperature: torch.Tensor  # [R] float32, 1.0 on greedy rows
     top_k: torch.Tensor  # [R] int64, 0 = off
     top_p: torch.Tensor  # [R] float32, 1.0 = off
@@ -53,10 +58,15 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype, device=device)
 
         greedy = [p.greedy for p in params]
+        temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
         return cls(
             rows=rows,
-            greedy=tensor(greedy, torch.bool),
-            temperature=tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
+            greedy_rows=tensor([i for i, g in enumerate(greedy) if g], torch.int64),
+            sampled_rows=tensor([i for i, g in enumerate(greedy) if not g], torch.int64),
+            min_p_rows=tensor([i for i, (g, p) in enumerate(zip(greedy, params)) if not g and p.min_p > 0],
+                              torch.int64),
+            scales_temperature=any(t != 1.0 for t in temperature),
+            temperature=tensor(temperature, torch.float32),
             top_k=tensor([p.top_k if p.top_k < vocab_size else 0 for p in params], torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),
             min_p=tensor([p.min_p for p in params], torch.float32),

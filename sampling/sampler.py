@@ -55,24 +55,24 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()  # the same tensor when already float32
         if batch.has_processors:
             apply_all(logits, batch)
-        if bool((batch.temperature != 1.0).any()):
+        if batch.scales_temperature:
             logits.div_(batch.temperature[:, None])
         logprob_table = logits.log_softmax(-1) if batch.max_logprobs is not None else None
 
-        greedy_rows = torch.nonzero(batch.greedy).flatten()
-        sampled_rows = torch.nonzero(~batch.greedy).flatten()
+        greedy_rows, sampled_rows = batch.greedy_rows, batch.sampled_rows
+        if not sampled_rows.numel():  # all greedy: no scatter
+            return self._output(logits.argmax(-1), logprob_table, batch)
         token_ids = torch.empty(len(batch.rows), dtype=torch.int64, device=logits.device)
         if greedy_rows.numel():
-            token_ids[greedy_rows] = take_rows(logits, greedy_rows).argmax(-1)
-        if sampled_rows.numel():
-            self._apply_min_p(logits, batch, sampled_rows)
-            token_ids[sampled_rows] = self._sample(logits, batch, sampled_rows)
+            token_ids[greedy_rows] = logits[greedy_rows].argmax(-1)
+        self._apply_min_p(logits, batch)
+        token_ids[sampled_rows] = self._sample(logits, batch, sampled_rows)
         return self._output(token_ids, logprob_table, batch)
 
     @staticmethod
-    def _apply_min_p(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> None:
+    def _apply_min_p(logits: torch.Tensor, batch: SamplingBatch) -> None:
         """Keep p >= min_p * p_max, i.e. logit >= max_logit + log(min_p) (in place, min-p rows only)."""
-        rows = rows[batch.min_p[rows] > 0]
+        rows = batch.min_p_rows
         if rows.numel():
             sub = logits[rows]
             threshold = sub.max(-1, keepdim=True).values + torch.log(batch.min_p[rows])[:, None]

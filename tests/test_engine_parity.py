@@ -75,3 +75,67 @@ def test_parity_holds_under_preemption(model_dirs, references):
     assert small.scheduler.num_preemptions > 0
     assert [results[f"r{i}"].output_token_ids for i in range(len(PROMPT_LENGTHS))] == references["llama"]
     assert small.blocks.num_free == small.blocks.num_blocks
+
+
+def hf_greedy_with_top(model_dir, prompt_ids: list[list[int]], dtype: torch.dtype, top: int = 5):
+    """transformers' greedy tokens and, per step, the ids of its top ``top`` log probabilities."""
+    model = load_hf(model_dir, dtype)
+    results = []
+    for p in prompt_ids:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, pad_token_id=0, output_scores=True,
+                             return_dict_in_generate=True)
+        tops = [set(score[0].float().topk(top).indices.tolist()) for score in out.scores]
+        results.append((out.sequences[0, len(p):].tolist(), tops))
+    return results
+
+
+def assert_close_as_vllm_does(ours: list[int], our_tops: list[set[int]], theirs: list[int],
+                              their_tops: list[set[int]]) -> None:
+    """vLLM's check_logprobs_close: equal tokens, or at the first difference each side's token is
+    in the other's top 5; after it the sequences may go apart."""
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            assert a in their_tops[step] and b in our_tops[step], (step, ours, theirs)
+            return
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_greedy_is_close_to_transformers(model_dirs, arch):
+    prompt_ids = prompts()
+    reference = hf_greedy_with_top(model_dirs[arch], prompt_ids, torch.bfloat16)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
+    bf16 = engine(model_dirs[arch], dtype="bfloat16")
+    assert bf16.runner.kv_cache.dtype == torch.bfloat16
+    for i, p in enumerate(prompt_ids):
+        bf16.add_request(GenerationRequest(f"r{i}", p, params))
+    streams = bf16.run_to_completion()
+    exact = 0
+    for i, (theirs, their_tops) in enumerate(reference):
+        outs = streams[f"r{i}"]
+        ours = outs[-1].output_token_ids
+        our_tops = [{t for t, _ in lp.top} for o in outs for lp in o.logprobs]
+        exact += ours == theirs
+        assert_close_as_vllm_does(ours, our_tops, theirs, their_tops)
+    assert exact >= len(reference) // 2  # close, and mostly equal: a real bf16 run, not noise
+
+
+def test_float32_greedy_equals_transformers(model_dirs):
+    prompt_ids = prompts()
+    reference = [tokens for tokens, _ in hf_greedy_with_top(model_dirs["llama"], prompt_ids, torch.float32)]
+    results = engine(model_dirs["llama"], dtype="float32").generate(requests(prompt_ids))
+    assert [results[f"r{i}"].output_token_ids for i in range(len(PROMPT_LENGTHS))] == reference
+
+
+def test_dtype_auto_follows_the_cpu(monkeypatch):
+    from engine import loader
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(loader, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    assert loader.torch_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_flags", lambda: {"avx2", "amx_bf16", "amx_tile"})
+    assert loader.torch_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_flags", lambda: {"avx2", "fma"})
+    assert loader.torch_dtype("auto", cpu) == torch.float32
+    assert loader.torch_dtype("float64", cpu) == torch.float64

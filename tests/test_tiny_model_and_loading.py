@@ -45,7 +45,9 @@ def test_half_precision_engines_run(dtype):
 
     out = engine.generate([GenerationRequest("r", [5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0))])["r"]
     assert out.num_output_tokens == 4
-    prefill = engine.prefill([GenerationRequest("p", [5, 6, 7], SamplingParams(max_new_tokens=4))])["p"].prefill
+    # Seeded, EOS ignored: a first token that happened to be EOS would end the request on P.
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=11)
+    prefill = engine.prefill([GenerationRequest("p", [5, 6, 7], params)])["p"].prefill
     expected = np.int16 if dtype == "bfloat16" else np.float16
     assert prefill.kv.data.dtype == expected and prefill.kv.meta.dtype == dtype
 
