@@ -127,12 +127,15 @@ def time_matmul_chain(w: Workload, chunk: int = 2048) -> float:
     head = weight(vocab, h)
 
     def step(rows: int, sampled: int) -> None:
+        # Inputs of the right shape for each matmul: attention and the MLP's activation are not counted.
         x = torch.randn(rows, h, dtype=dtype, device=device)
-        attention_out = torch.randn(rows, q, dtype=dtype, device=device)  # attention itself is not counted
+        attention_out = torch.randn(rows, q, dtype=dtype, device=device)
+        activation = torch.randn(rows, inter, dtype=dtype, device=device)
         for qkv, o, gate_up, down in layers:
             linear(x, qkv)
-            x = linear(attention_out, o)
-            x = linear(linear(x, gate_up)[:, :inter], down)
+            linear(attention_out, o)
+            linear(x, gate_up)
+            x = linear(activation, down)
         linear(x[:sampled], head)
 
     total = w.num_prompts * w.input_len
@@ -159,10 +162,10 @@ def time_vllm(model_dir: Path, ids: list[list[int]], w: Workload, venv: Path) ->
                                                       f"0-{torch.get_num_threads() - 1}")}
     run = subprocess.run([str(python), str(Path(__file__).with_name("vllm_offline.py")), str(work)], env=env,
                          capture_output=True, text=True, timeout=1800)
-    if run.returncode != 0:
+    if run.returncode != 0 or "RESULT " not in run.stdout:
         print(f"vLLM failed (exit {run.returncode}):\n{run.stderr[-3000:]}", file=sys.stderr)
         return None
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = json.loads([line for line in run.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
     assert result["generated"] == w.num_prompts * w.output_len
     return result["seconds"]
 

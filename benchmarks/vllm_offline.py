@@ -3,7 +3,7 @@
     .venv-vllm/bin/python benchmarks/vllm_offline.py WORKLOAD.json
 
 WORKLOAD: {"model": DIR, "dtype": ..., "prompts": [[ids]], "output_len": N, "max_num_seqs": N}.
-Prints one JSON line: {"seconds": ..., "generated": ...} for the timed generate call (after a
+Prints one line, "RESULT " and JSON: {"seconds": ..., "generated": ...} for the timed generate call (after a
 warm-up call on two short prompts). It never imports pdserve: vLLM is a comparison, not a dependency.
 """
 
@@ -27,7 +27,7 @@ def main() -> None:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(json.dumps({"seconds": seconds, "generated": generated}))
+    print("RESULT " + json.dumps({"seconds": seconds, "generated": generated}))
 
 
 if __name__ == "__main__":

@@ -135,3 +135,29 @@ def test_bad_input_is_a_400_naming_the_field_and_serving_goes_on(base_url):
 def test_health(base_url):
     for app in ("pd", "co"):
         assert httpx.get(f"{base_url}/{app}/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_pd_n_choices_share_one_prefill_and_d_reuses_imported_kv(base_url):
+    """n = 3 through the PD app: P computes the prompt once, one KV transfer reaches D; the
+    same prompt again finds its blocks in D's prefix cache (imported KV is cached there)."""
+    decode = serve.get_deployment_handle("DecodeServer", app_name="pd")
+    message = {"role": "user", "content": "three choices from one prefill, please. " * 6}
+    body = {"model": "tiny-llama", "messages": [message], "n": 3, "seed": 5, "max_tokens": 6, "ignore_eos": True}
+    p_before, d_before = engine_stats("pd", "PrefillServer"), engine_stats("pd", "DecodeServer")
+    transfers_before = decode.kv_transfers.remote().result()["count"]
+    response = httpx.post(f"{base_url}/pd/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert len({c["message"]["content"] for c in answer["choices"]}) > 1
+    computed = engine_stats("pd", "PrefillServer").prompt_tokens_computed - p_before.prompt_tokens_computed
+    assert 0 < computed <= prompt_tokens  # once for three choices (less where P's own cache hit)
+    assert decode.kv_transfers.remote().result()["count"] - transfers_before == 1
+    assert engine_stats("pd", "DecodeServer").prompt_tokens_computed == d_before.prompt_tokens_computed
+    again = httpx.post(f"{base_url}/pd/v1/chat/completions", json=body, timeout=120).json()
+    assert [c["message"]["content"] for c in again["choices"]] == [c["message"]["content"] for c in answer["choices"]]
+    hits = engine_stats("pd", "DecodeServer").prefix_cache_hits - d_before.prefix_cache_hits
+    assert hits >= (prompt_tokens - 1) // 16 * 16 > 0
+    models = httpx.get(f"{base_url}/pd/v1/models", timeout=30).json()["data"][0]
+    assert models["dtype"] == engine_stats("pd", "PrefillServer").dtype and models["enable_prefix_caching"] is True
