@@ -111,19 +111,20 @@ class Scheduler:
         while self._waiting and budget > 0 and self._has_room_for(self._waiting[0][1]):
             seq = self._waiting[0][1]
             hits = self.blocks.computed_prefix(seq)
-            computed, n = self._first_chunk(seq, len(hits) * self.blocks.block_size, budget)
-            if seq.pending_kv is not None and seq.pending_kv.meta.start > len(hits) * self.blocks.block_size:
+            hit_tokens = len(hits) * self.blocks.block_size
+            computed, n = self._first_chunk(seq, hit_tokens, budget)
+            if seq.pending_kv is not None and seq.pending_kv.meta.start > hit_tokens:
                 heapq.heappop(self._waiting)
                 batch.unservable.append((seq, f"kv.start: the KV sent begins at token {seq.pending_kv.meta.start}, "
-                                              f"and this engine holds only the first {len(hits) * self.blocks.block_size}"))
+                                              f"and this engine holds only the first {hit_tokens}"))
                 continue
             if not self.blocks.can_allocate(seq, computed + n, hits):
                 break
             heapq.heappop(self._waiting)
-            self.blocks.record_lookup(seq.num_tokens, len(hits) * self.blocks.block_size)
+            self.blocks.record_lookup(seq.num_tokens, hit_tokens)
             batch.block_copies += self.blocks.allocate(seq, computed + n, hits)
             if seq.pending_kv is not None:
-                batch.kv_imports.append((seq, len(hits) * self.blocks.block_size))
+                batch.kv_imports.append((seq, hit_tokens))
             seq.num_computed_tokens = computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
