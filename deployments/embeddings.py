@@ -45,18 +45,44 @@ class SentenceEmbedder:
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.max_seq_length = config.get("max_seq_length", self.tokenizer.model_max_length)
 
-    @torch.inference_mode()
-    def embed(self, texts: list[str]) -> EmbeddingResult:
+    def embed(self, inputs: list[str] | list[list[int]]) -> EmbeddingResult:
+        """Texts, or token ids of this model's tokenizer taken as they are (no [CLS]/[SEP]
+        added, as vLLM takes them; the first max_seq_length kept)."""
         vectors, tokens = [], 0
-        for start in range(0, len(texts), MAX_BATCH):
-            batch = self.tokenizer(texts[start:start + MAX_BATCH], padding=True, truncation=True,
-                                   max_length=self.max_seq_length, return_tensors="pt")
-            hidden = self.model(**batch).last_hidden_state  # [B, T, H]
-            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [B, T, 1]
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            vectors += F.normalize(pooled, p=2, dim=1).tolist()
+        for start in range(0, len(inputs), MAX_BATCH):
+            chunk = inputs[start:start + MAX_BATCH]
+            if isinstance(chunk[0], str):
+                batch = self.tokenizer(chunk, padding=True, truncation=True, max_length=self.max_seq_length,
+                                       return_tensors="pt")
+            else:
+                batch = self._id_batch(chunk, start)
+            vectors += self._pooled(batch).tolist()
             tokens += int(batch["attention_mask"].sum())
         return EmbeddingResult(vectors, tokens)
+
+    def _id_batch(self, inputs: list[list[int]], first_index: int) -> dict[str, torch.Tensor]:
+        vocab = len(self.tokenizer)
+        rows = [ids[:self.max_seq_length] for ids in inputs]
+        for i, ids in enumerate(rows):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"input: token id {bad[0]} (input {first_index + i}) is outside the "
+                                 f"vocabulary [0, {vocab})")
+        width = max(len(ids) for ids in rows)
+        input_ids = torch.full((len(rows), width), self.tokenizer.pad_token_id or 0)  # [B, T]
+        mask = torch.zeros(len(rows), width, dtype=torch.int64)
+        for i, ids in enumerate(rows):
+            input_ids[i, :len(ids)] = torch.tensor(ids)
+            mask[i, :len(ids)] = 1
+        return {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(mask)}
+
+    @torch.inference_mode()
+    def _pooled(self, batch) -> torch.Tensor:
+        """Mean over the attention mask of the last hidden states, L2-normalised: [B, H]."""
+        hidden = self.model(**batch).last_hidden_state  # [B, T, H]
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [B, T, 1]
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return F.normalize(pooled, p=2, dim=1)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=64)
@@ -64,8 +90,8 @@ class EmbeddingServer:
     def __init__(self) -> None:
         self.embedder = SentenceEmbedder()
 
-    def embed(self, texts: list[str]) -> EmbeddingResult:
-        return self.embedder.embed(texts)
+    def embed(self, inputs: list[str] | list[list[int]]) -> EmbeddingResult:
+        return self.embedder.embed(inputs)
 
     def info(self) -> str:
         return EMBEDDING_MODEL_NAME

@@ -5,10 +5,29 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from ray.exceptions import RayTaskError
 
 TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
          503: "service_unavailable_error"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error the API returns (documented per route in /openapi.json)."""
+
+    error: ErrorDetail
+
+
+def documented(*statuses: int) -> dict:
+    """``responses=`` of a route: the error statuses it can return, with their body."""
+    return {status: {"model": ErrorBody, "description": TYPES.get(status, "server_error")} for status in statuses}
 
 
 class APIError(Exception):
@@ -42,12 +61,32 @@ async def on_api_error(_: Request, error: APIError) -> JSONResponse:
     return error_response(error.status, error.message, error.param, error.code)
 
 
+# Parts of a pydantic error location that name a member of a union, not a field.
+UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "function-after", "function-before"}
+
+
+def _is_field(part) -> bool:
+    return isinstance(part, int) or (part != "body" and part not in UNION_TAGS and not any(c in part for c in "[-"))
+
+
 async def on_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
     first = error.errors()[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    location = [str(part) for part in first.get("loc", ()) if _is_field(part)]
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":
         return error_response(400, "the body is not valid JSON", None, "invalid_json")
     if first.get("type") == "missing" and not location:
         return error_response(400, "the body is empty; a JSON object is required", None, "missing_body")
-    return error_response(400, f"{param or 'body'}: {first.get('msg')}", param, first.get("type"))
+    message = first.get("msg", "")
+    if len(location) < len([p for p in first.get("loc", ()) if p != "body"]):
+        # A union's members each failed (prompt: a string, strings, token ids, ...): say why for each.
+        reasons = [e.get("msg", "") for e in error.errors()
+                   if [str(p) for p in e.get("loc", ()) if _is_field(p)][:len(location)] == location]
+        message = "matches none of its accepted forms: " + "; ".join(dict.fromkeys(reasons))
+    if first.get("type") == "value_error":
+        message = message.removeprefix("Value error, ")
+        if param is None:  # a check across fields says "<field>: <rule>" (openai_schema.py)
+            named = from_value_error(ValueError(message))
+            if named.param:
+                return error_response(400, message, named.param, "invalid_value")
+    return error_response(400, f"{param or 'body'}: {message}", param, first.get("type"))

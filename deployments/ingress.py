@@ -17,17 +17,19 @@ import uuid
 from fastapi import FastAPI, Request
 import numpy as np
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from ray import serve
 from transformers import AutoTokenizer
 
 from deployments import mindie
 from deployments.backends import ColocatedBackend, PDBackend, merge
 from deployments.config import AppArgs
-from deployments.errors import (APIError, error_body, error_response, from_value_error, on_api_error,
+from deployments.errors import (APIError, documented, error_body, error_response, from_value_error, on_api_error,
                                  on_validation_error, root_cause)
 from deployments.metrics import IngressMetrics
 from deployments.openai_api import Choice, OpenAIFrontend, now_seconds
+from deployments.openai_stream import StreamWriter
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from deployments.servers import ModelInfo
 from engine.outputs import TIMEOUT, RequestOutput
@@ -38,6 +40,26 @@ app.add_exception_handler(RequestValidationError, on_validation_error)
 
 HEALTH_TIMEOUT_S = 5.0
 SSE = "text/event-stream"
+# What a generation route can answer: JSON, or server-sent events when "stream" is true; 400 bad
+# input, 404 a model not served, 408 a timeout before the first token, 413 a body too large,
+# 503 engines not ready or Ray Serve's back-pressure.
+GENERATION = {200: {"content": {"application/json": {}, SSE: {"schema": {"type": "string"}}}},
+              **documented(400, 404, 408, 413, 503)}
+
+
+def openapi_schema() -> dict:
+    """FastAPI's schema less the 422 it adds to every route with a body: this API answers
+    validation errors with a 400 in OpenAI's shape (documented on each route)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+app.openapi = openapi_schema
 
 
 @app.middleware("http")
@@ -163,7 +185,7 @@ class Ingress:
 
     # ---- MindIE ------------------------------------------------------------------------
 
-    @app.post("/infer_token")
+    @app.post("/infer_token", responses=GENERATION)
     async def infer_token(self, body: mindie.InferTokenRequest, http: Request):
         http.state.priority = body.parameters.priority
         info = await self.model_info()
@@ -198,11 +220,11 @@ class Ingress:
 
     # ---- OpenAI ------------------------------------------------------------------------
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION)
     async def chat_completions(self, body: ChatCompletionRequest, http: Request):
         return await self._openai(body, http, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION)
     async def completions(self, body: CompletionRequest, http: Request):
         return await self._openai(body, http, chat=False)
 
@@ -221,30 +243,28 @@ class Ingress:
             await collect_choices(streams, choices, fail_on_timeout=chat or body.error_behavior == "error")
             if chat:
                 return front.chat_response(response_id, choices, created)
-            return front.completion_response(response_id, choices, created, body.suffix)
-        chunk = front.chunker(response_id, created, choices, None if chat else body.suffix)
-        usage = None
-        if body.stream_options and body.stream_options.include_usage:
-            object_name = "chat.completion.chunk" if chat else "text_completion"
-            usage = lambda: front.usage_chunk(response_id, created, choices, object_name)  # noqa: E731
-        return StreamingResponse(self._openai_events(streams, choices, chunk, usage), media_type=SSE)
+            return front.completion_response(response_id, choices, front.best(choices, body.n), created, body.suffix,
+                                             body.logprobs is not None)
+        writer = StreamWriter(front, response_id, created, choices, chat, "" if chat else body.suffix,
+                              not chat and body.logprobs is not None,
+                              body.stream_options is not None and body.stream_options.include_usage)
+        return StreamingResponse(self._openai_events(streams, choices, writer), media_type=SSE)
 
-    async def _openai_events(self, streams, choices: list[Choice], chunk, usage_chunk) -> AsyncIterator[str]:
+    async def _openai_events(self, streams, choices: list[Choice], writer: StreamWriter) -> AsyncIterator[str]:
         merged = merge(streams)
         try:
             async for i, output in merged:
                 position = choice_position(choices, i, output)
                 choices[position].outputs.append(output)
-                yield chunk(position, output)
-            if usage_chunk is not None:
-                yield usage_chunk()
-            yield "data: [DONE]\n\n"
+                if event := writer.write(position, output):
+                    yield event
+            yield writer.close()
         except Exception as error:  # the stream has begun: end it with an error event
             yield f"data: {error_event(root_cause(error))}\n\n"
         finally:
             await merged.aclose()
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses=documented(400, 404, 413, 503))
     async def embeddings(self, body: EmbeddingRequest):
         if self.embedder is None:
             raise APIError(404, "embeddings are not served by this application", "model", "model_not_found")
@@ -252,7 +272,13 @@ class Ingress:
         if body.model is not None and body.model != name:
             raise APIError(404, f"model: {body.model!r} is not served here; embeddings are {name!r}", "model",
                            "model_not_found")
-        result = await self.embedder.embed.remote(body.texts())
+        try:
+            result = await self.embedder.embed.remote(body.inputs())
+        except Exception as error:
+            cause = root_cause(error)
+            if isinstance(cause, ValueError):
+                raise from_value_error(cause) from None
+            raise
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "model": name,
                 "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(v, body.encoding_format)}
                          for i, v in enumerate(result.vectors)],
@@ -260,7 +286,7 @@ class Ingress:
 
     # ---- operations --------------------------------------------------------------------
 
-    @app.get("/health")
+    @app.get("/health", responses=documented(503))
     async def health(self):
         """200 when every engine deployment answers; 503 otherwise."""
         handles = [*self.backend.handles.values(), *([self.embedder] if self.embedder else [])]
@@ -270,17 +296,29 @@ class Ingress:
             return error_response(503, f"engines not ready: {type(root_cause(error)).__name__}", code="not_ready")
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=documented(503))
     async def models(self):
-        info = await self.model_info()
-        data = [{"id": self.served_model_name(info), "object": "model", "created": 0, "owned_by": "pdserve",
-                 "max_model_len": info.max_model_len, "dtype": info.dtype,
-                 "enable_prefix_caching": info.enable_prefix_caching}]
-        if self.embedder is not None:
-            data.append({"id": await self.embedder.info.remote(), "object": "model", "created": 0,
-                         "owned_by": "pdserve"})
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": await self.model_cards()}
 
-    @app.get("/metrics")
+    @app.get("/v1/models/{model_id}", responses=documented(404, 503))
+    async def model(self, model_id: str):
+        for card in await self.model_cards():
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"model: {model_id!r} is not served here", "model", "model_not_found")
+
+    async def model_cards(self) -> list[dict]:
+        """OpenAI's model objects: the LLM (with what this server adds) and the embedder."""
+        info = await self.model_info()
+        cards = [{"id": self.served_model_name(info), "object": "model", "created": 0, "owned_by": "pdserve",
+                  "max_model_len": info.max_model_len, "dtype": info.dtype,
+                  "enable_prefix_caching": info.enable_prefix_caching}]
+        if self.embedder is not None:
+            cards.append({"id": await self.embedder.info.remote(), "object": "model", "created": 0,
+                          "owned_by": "pdserve"})
+        return cards
+
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus(self):
-        return Response(await self.metrics.render(self.backend.handles), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(await self.metrics.render(self.backend.handles),
+                                 media_type="text/plain; version=0.0.4")

@@ -1,11 +1,10 @@
 """The OpenAI-compatible dialect: requests into GenerationRequests, engine outputs into
-responses and stream chunks (docs/api.md).
+whole responses (streams: deployments/openai_stream.py). docs/api.md has every decision.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-import json
 import time
 
 from transformers import PreTrainedTokenizerBase
@@ -30,11 +29,27 @@ class Choice:
     prompt_tokens: int
     request: GenerationRequest
     prefix: str = ""  # the prompt's text, with echo
+    echo_logprobs: bool = False  # the prompt's tokens lead the logprobs (echo with logprobs)
+    # max_tokens 0 with echo: the engine makes one token (the prompt's last logits are computed
+    # anyway) and it is dropped: the choice returns the prompt, scored, and nothing generated.
+    scores_only: bool = False
     outputs: list[RequestOutput] = field(default_factory=list)
 
     @property
     def final(self) -> RequestOutput:
         return self.outputs[-1]
+
+    @property
+    def completion_tokens(self) -> int:
+        return 0 if self.scores_only else self.final.num_output_tokens
+
+    @property
+    def text(self) -> str:
+        return "" if self.scores_only else self.final.text
+
+    def mean_logprob(self) -> float:
+        """best_of's ranking: the generated tokens' mean logprob."""
+        return self.final.cumulative_logprob / max(1, self.final.num_output_tokens)
 
 
 class OpenAIFrontend:
@@ -69,39 +84,61 @@ class OpenAIFrontend:
             raise APIError(400, f"response_format: {body.response_format.type!r} needs constrained decoding, "
                                 "which this server does not do; only 'text' is accepted", "response_format",
                            "unsupported")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         if len(prompt_ids) > self.max_prompt_tokens:
             raise APIError(400, f"messages: the templated prompt has {len(prompt_ids)} tokens; at most "
                                 f"{self.max_prompt_tokens} fit (model length minus max_iter_times)", "messages",
                            "context_length_exceeded")
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        request = self._request(f"{request_id}-0", prompt_ids, self._params(body, logprobs), body, deadline)
+        params = self._params(body, (body.top_logprobs or 0) if body.logprobs else None)
+        request = GenerationRequest(f"{request_id}-0", prompt_ids, params, body.priority, deadline, body.n)
         return [Choice(j, 0, len(prompt_ids), request) for j in range(body.n)]
 
     def completion_choices(self, body: CompletionRequest, request_id: str, deadline: float) -> list[Choice]:
+        """best_of (or n) choices per prompt, indexed prompt × best_of + j until ``best``
+        picks the n returned."""
         self.check_model(body.model)
-        params = self._params(body, body.logprobs)
+        made = body.best_of or body.n
+        # best_of ranks by logprob: the engine reports them even when the caller asked for none.
+        logprobs = body.logprobs if body.logprobs is not None else (0 if made > body.n else None)
+        scores_only = body.max_tokens == 0
+        echo_logprobs = body.echo and body.logprobs is not None
+        params = self._params(body, logprobs, body.logprobs if echo_logprobs else None, 1 if scores_only else None)
         choices = []
         for i, prompt in enumerate(body.prompts()):
-            # use_raw_prompt: the text goes to the model as it is, without the tokenizer's BOS.
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=not body.use_raw_prompt)
-            if len(prompt_ids) > self.max_prompt_tokens:
-                if body.error_behavior == "error":
-                    param = "prompt" if isinstance(body.prompt, str) else f"prompt.{i}"
-                    raise APIError(400, f"{param}: {len(prompt_ids)} tokens; at most {self.max_prompt_tokens} fit "
-                                        "(model length minus max_iter_times); error_behavior 'truncate' keeps "
-                                        "the last ones", param, "context_length_exceeded")
-                prompt_ids = prompt_ids[-self.max_prompt_tokens:]
-            prefix = prompt if body.echo else ""
-            request = self._request(f"{request_id}-{i}", prompt_ids, params, body, deadline)
-            choices += [Choice(i * body.n + j, i, len(prompt_ids), request, prefix) for j in range(body.n)]
+            prompt_ids = self._prompt_ids(body, i, prompt)
+            prefix = "" if not body.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+            request = GenerationRequest(f"{request_id}-{i}", prompt_ids, params, body.priority, deadline, made)
+            choices += [Choice(i * made + j, i, len(prompt_ids), request, prefix, echo_logprobs, scores_only)
+                        for j in range(made)]
         return choices
 
-    def _params(self, body: SamplingFields, logprobs: int | None) -> SamplingParams:
-        if body.max_tokens is not None and body.max_tokens > self.max_iter_times:
-            raise APIError(400, f"max_tokens: must be in (0, {self.max_iter_times}] (max_iter_times)", "max_tokens",
+    def _prompt_ids(self, body: CompletionRequest, i: int, prompt: str | list[int]) -> list[int]:
+        param = "prompt" if len(body.prompts()) == 1 else f"prompt.{i}"
+        if isinstance(prompt, str):
+            # use_raw_prompt: the text goes to the model as it is, without the tokenizer's BOS.
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=not body.use_raw_prompt)
+        else:  # token ids are taken as they are: no BOS is added
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                               param, "invalid_value")
+            prompt_ids = list(prompt)
+        if len(prompt_ids) > self.max_prompt_tokens:
+            if body.error_behavior == "error":
+                raise APIError(400, f"{param}: {len(prompt_ids)} tokens; at most {self.max_prompt_tokens} fit "
+                                    "(model length minus max_iter_times); error_behavior 'truncate' keeps "
+                                    "the last ones", param, "context_length_exceeded")
+            prompt_ids = prompt_ids[-self.max_prompt_tokens:]
+        return prompt_ids
+
+    def _params(self, body: SamplingFields, logprobs: int | None, prompt_logprobs: int | None = None,
+                max_new_tokens: int | None = None) -> SamplingParams:
+        limit = body.output_limit()
+        if limit is not None and limit > self.max_iter_times:
+            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            raise APIError(400, f"{param}: must be in (0, {self.max_iter_times}] (max_iter_times)", param,
                            "invalid_value")
         bias = {}
         for key, value in (body.logit_bias or {}).items():
@@ -110,91 +147,64 @@ class OpenAIFrontend:
                                "logit_bias", "invalid_value")
             bias[int(key)] = value
         return SamplingParams(
-            max_new_tokens=body.max_tokens or self.max_iter_times, temperature=body.temperature,
+            max_new_tokens=max_new_tokens or limit or self.max_iter_times, temperature=body.temperature,
             top_p=body.top_p, top_k=body.top_k or 0, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop_list(), logprobs=logprobs,
-            logit_bias=bias, ignore_eos=body.ignore_eos)
-
-    @staticmethod
-    def _request(request_id: str, prompt_ids: list[int], params: SamplingParams, body: SamplingFields,
-                 deadline: float) -> GenerationRequest:
-        """One request per prompt; its n choices share its prefill (seeds: sampling.params.choice_seed)."""
-        return GenerationRequest(request_id, prompt_ids, params, priority=body.priority, deadline=deadline, n=body.n)
+            prompt_logprobs=prompt_logprobs, logit_bias=bias, ignore_eos=body.ignore_eos)
 
     # ---- responses out -----------------------------------------------------------------
 
-    def finish_reason(self, output: RequestOutput) -> str:
-        return self.finish_reasons[output.finish_reason]
+    def finish_reason(self, choice: Choice, output: RequestOutput) -> str:
+        return self.finish_reasons[LENGTH if choice.scores_only else output.finish_reason]
 
     @staticmethod
     def usage(choices: list[Choice]) -> dict:
-        """Each prompt counted once (the template's tokens included), every choice's output."""
+        """Each prompt counted once (the template's tokens included), every choice's output
+        (best_of's unreturned ones too: they were generated)."""
         prompt_tokens = sum({c.prompt_index: c.prompt_tokens for c in choices}.values())
-        completion_tokens = sum(c.final.num_output_tokens for c in choices)
+        completion_tokens = sum(c.completion_tokens for c in choices)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
+    @staticmethod
+    def best(choices: list[Choice], n: int) -> list[Choice]:
+        """Of each prompt's choices, the n of highest mean logprob, reindexed prompt × n + j."""
+        made = choices[0].request.n
+        if made == n:
+            return choices
+        kept = []
+        for start in range(0, len(choices), made):
+            ranked = sorted(choices[start:start + made], key=lambda c: -c.mean_logprob())[:n]
+            for j, c in enumerate(ranked):
+                c.index = c.prompt_index * n + j
+            kept += ranked
+        return kept
+
     def chat_response(self, response_id: str, choices: list[Choice], created: int) -> dict:
         return {"id": response_id, "object": "chat.completion", "created": created, "model": self.served_model_name,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.final.text},
-                             "logprobs": self._chat_logprobs(c.outputs), "finish_reason": self.finish_reason(c.final)}
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": self.chat_logprobs(generated_logprobs(c, c.outputs)),
+                             "finish_reason": self.finish_reason(c, c.final)}
                             for c in choices],
                 "usage": self.usage(choices)}
 
-    def completion_response(self, response_id: str, choices: list[Choice], created: int, suffix: str) -> dict:
+    def completion_response(self, response_id: str, made: list[Choice], returned: list[Choice], created: int,
+                            suffix: str, with_logprobs: bool) -> dict:
+        def logprobs(c: Choice) -> dict | None:
+            if not with_logprobs:
+                return None
+            return self.completion_logprobs(prompt_logprobs(c, c.outputs[0]) + generated_logprobs(c, c.outputs))
+
         return {"id": response_id, "object": "text_completion", "created": created, "model": self.served_model_name,
-                "choices": [{"index": c.index, "text": c.prefix + c.final.text + suffix,
-                             "logprobs": self._completion_logprobs(c.outputs, len(c.prefix)),
-                             "finish_reason": self.finish_reason(c.final)} for c in choices],
-                "usage": self.usage(choices)}
-
-    def chat_chunk(self, response_id: str, created: int, index: int, output: RequestOutput) -> str:
-        choice = {"index": index, "delta": {"role": "assistant", "content": output.new_text}, "finish_reason": None}
-        if output.logprobs:
-            choice["logprobs"] = self._chat_logprobs([output])
-        chunks = [self._chunk(response_id, "chat.completion.chunk", created, [choice])]
-        if output.finished:
-            chunks.append(self._chunk(response_id, "chat.completion.chunk", created,
-                                      [{"index": index, "delta": {}, "finish_reason": self.finish_reason(output)}]))
-        return "".join(chunks)
-
-    def completion_chunk(self, response_id: str, created: int, index: int, output: RequestOutput, prefix: str,
-                         suffix: str) -> str:
-        text = prefix + output.new_text + (suffix if output.finished else "")
-        choice = {"index": index, "text": text, "logprobs": self._completion_logprobs([output], 0) if output.logprobs
-                  else None, "finish_reason": self.finish_reason(output) if output.finished else None}
-        return self._chunk(response_id, "text_completion", created, [choice])
-
-    def chunker(self, response_id: str, created: int, choices: list[Choice], suffix: str | None):
-        """chunk(choice position, output) -> SSE text: chat chunks when ``suffix`` is None, else
-        completion chunks (the echoed prompt goes in each choice's first chunk only)."""
-        if suffix is None:
-            return lambda i, output: self.chat_chunk(response_id, created, choices[i].index, output)
-        started: set[int] = set()
-
-        def completion(i: int, output: RequestOutput) -> str:
-            prefix = "" if i in started else choices[i].prefix
-            started.add(i)
-            return self.completion_chunk(response_id, created, choices[i].index, output, prefix, suffix)
-
-        return completion
-
-    def usage_chunk(self, response_id: str, created: int, choices: list[Choice], object_name: str) -> str:
-        return self._chunk(response_id, object_name, created, [], usage=self.usage(choices))
-
-    def _chunk(self, response_id: str, object_name: str, created: int, choices: list[dict], **extra) -> str:
-        body = {"id": response_id, "object": object_name, "created": created, "model": self.served_model_name,
-                "choices": choices, **extra}
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+                "choices": [{"index": c.index, "text": c.prefix + c.text + suffix, "logprobs": logprobs(c),
+                             "finish_reason": self.finish_reason(c, c.final)} for c in returned],
+                "usage": self.usage(made)}
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _chat_logprobs(self, outputs: list[RequestOutput]) -> dict | None:
-        entries = [lp for o in outputs for lp in o.logprobs]
-        if not entries:
-            return None
-        return {"content": [self._chat_entry(lp) for lp in entries]}
+    def chat_logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        return {"content": [self._chat_entry(lp) for lp in entries]} if entries else None
 
     def _chat_entry(self, lp: TokenLogprob) -> dict:
         text = self._token_text(lp.token_id)
@@ -202,18 +212,29 @@ class OpenAIFrontend:
                 "top_logprobs": [{"token": (t := self._token_text(i)), "logprob": v, "bytes": list(t.encode())}
                                  for i, v in lp.top]}
 
-    def _completion_logprobs(self, outputs: list[RequestOutput], offset: int) -> dict | None:
-        entries = [lp for o in outputs for lp in o.logprobs]
-        if not entries:
-            return None
-        tokens = [self._token_text(lp.token_id) for lp in entries]
-        offsets, position = [], offset
-        for token in tokens:
-            offsets.append(position)
-            position += len(token)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in entries],
-                "top_logprobs": [{self._token_text(i): v for i, v in lp.top} for lp in entries],
-                "text_offset": offsets}
+    def completion_logprobs(self, entries: list[TokenLogprob | int], offset: int = 0) -> dict:
+        """OpenAI's legacy shape; an int entry is a token with no logprob (the prompt's first)."""
+        tokens, logprobs, tops, offsets = [], [], [], []
+        for entry in entries:
+            token_id = entry if isinstance(entry, int) else entry.token_id
+            tokens.append(self._token_text(token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+            logprobs.append(None if isinstance(entry, int) else entry.logprob)
+            tops.append(None if isinstance(entry, int) else {self._token_text(i): v for i, v in entry.top})
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(choice: Choice, first_output: RequestOutput) -> list[TokenLogprob | int]:
+    """With echo and logprobs: the prompt's first token id (nothing precedes it, so no
+    logprob), then each later prompt token's logprob."""
+    if not choice.echo_logprobs or first_output.prompt_logprobs is None:
+        return []
+    return [choice.request.prompt_token_ids[0], *first_output.prompt_logprobs[1:]]
+
+
+def generated_logprobs(choice: Choice, outputs: list[RequestOutput]) -> list[TokenLogprob]:
+    return [] if choice.scores_only else [lp for o in outputs for lp in o.logprobs]
 
 
 def now_seconds() -> int:

@@ -1,23 +1,29 @@
-"""Request schemas of the OpenAI-compatible API, as MindIE (seeds/001) and Databricks
-(seeds/002) document it; SPEC §2–3 has the digest. Unknown fields are refused (400 naming
-the field), never ignored. Where the two documents differ the wider range is taken and
-written down in docs/api.md.
+"""Request schemas of the OpenAI-compatible API: OpenAI's current chat-completions,
+completions and embeddings references, with MindIE's (seeds/001) and Databricks' (seeds/002)
+ranges and extensions; SPEC §2–3 has the digest. Every field OpenAI defines is declared here:
+it changes the output, or it is refused with a 400 that names it (``refuse_unsupported``), or,
+for the few that by definition change nothing here (``user``, ``metadata``, ...), it is
+accepted. Unknown fields are refused. docs/api.md has each decision.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
+from engine.request import MAX_CHOICES
 from sampling.params import MAX_SEED, MAX_TOP_LOGPROBS
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,254}[A-Za-z0-9])?$"
 MAX_MESSAGES_BYTES = 512 * 1024  # total content of a chat request
-MAX_N = 16  # choices per prompt
+MAX_N = MAX_CHOICES  # choices per prompt (OpenAI's limit too)
 MAX_STOP = 16  # stop strings per request
 MAX_BATCH_PROMPTS = 64  # prompts in one completions request, inputs in one embeddings request
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+# OpenAI's service tiers: one tier here, so each is served alike (docs/api.md).
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
 
 class _Strict(BaseModel):
@@ -26,13 +32,15 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool = Field(False, description="only false: no obfuscation padding is added")
 
 
 class SamplingFields(_Strict):
     """Fields that chat and completions share."""
 
     model: StrictStr = Field(pattern=MODEL_NAME_PATTERN, description="letters, digits, '.', '-', '_'; <= 256")
-    max_tokens: StrictInt | None = Field(None, gt=0, description="(0, max_iter_times]; absent: max_iter_times")
+    max_tokens: StrictInt | None = Field(
+        None, ge=0, description="(0, max_iter_times]; absent: max_iter_times. 0 only on completions with echo")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="[0, 2]; 0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(None, gt=0, description="absent: no top-k")
@@ -44,6 +52,7 @@ class SamplingFields(_Strict):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: StrictStr | None = Field(None, description="accepted; identifies the caller, changes nothing")
     # Extensions, as on /infer_token.
     priority: StrictInt = Field(5, ge=1, le=5, description="1 is served first")
     timeout: StrictInt = Field(600, gt=0, le=3600, description="seconds, queueing and generation together")
@@ -52,17 +61,58 @@ class SamplingFields(_Strict):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def output_limit(self) -> int | None:
+        """The requested cap on generated tokens (chat's max_completion_tokens wins)."""
+        return self.max_tokens
+
     @model_validator(mode="after")
-    def _stream_options_need_stream(self):
+    def _stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            raise ValueError("stream_options.include_obfuscation: this server adds no obfuscation; send false")
         return self
 
 
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: NonEmptyStr
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # A string, or OpenAI's list of parts; only text parts are read (this model reads text only).
+    content: NonEmptyStr | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    name: StrictStr | None = Field(None, description="given to the chat template, which may use it")
     tool_call_id: StrictStr | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content):
+        if isinstance(content, str):
+            return content
+        parts = []
+        for j, part in enumerate(content):
+            if part.get("type") != "text":
+                raise ValueError(f"part {j} is of type {part.get('type')!r}; this model reads text parts only "
+                                 "(no image, audio or file input)")
+            parts.append(TextPart.model_validate(part))
+        if not any(p.text for p in parts):
+            raise ValueError("the text parts are all empty")
+        return parts
+
+    def text(self) -> str:
+        """The content as one string: text parts are joined, as OpenAI's clients send it split."""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        """The message as the chat template reads it; ``developer`` is OpenAI's new name for ``system``."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class FunctionDefinition(BaseModel):
@@ -79,50 +129,131 @@ class ResponseFormat(_Strict):
     json_schema: dict | None = None
 
 
+# Chat fields OpenAI defines that need a capability this server does not have: refused with a
+# 400 naming the field whenever they are set to anything but their "off" value.
+UNSUPPORTED_CHAT_FIELDS = {
+    "audio": "audio output needs an audio model",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "the served model has no reasoning controls",
+    "verbosity": "the served model has no verbosity control",
+    "web_search_options": "this server does no web search",
+    "functions": "function calling is not supported by this server",
+}
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(
+        None, gt=0, description="OpenAI's current name for max_tokens; wins over it when both are set")
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Annotated[list[Tool], Field(max_length=32)] | None = None
     tool_choice: StrictStr | dict | None = None
+    parallel_tool_calls: StrictBool | None = Field(None, description="accepted; no tools are called here")
+    function_call: StrictStr | dict | None = Field(None, description="deprecated; only 'none'")
     response_format: ResponseFormat | None = None
+    modalities: list[Literal["text", "audio"]] | None = Field(None, description="only ['text']")
+    metadata: dict[str, StrictStr] | None = Field(None, description="accepted; nothing is stored")
+    store: StrictBool | None = Field(None, description="only false: nothing is stored")
+    service_tier: ServiceTier | None = Field(None, description="accepted; one tier here")
+    prompt_cache_key: StrictStr | None = Field(None, description="accepted; prefix caching is by content")
+    safety_identifier: StrictStr | None = Field(None, description="accepted; identifies the caller")
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @field_validator("messages")
     @classmethod
     def _messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        roles = [m.role for m in messages]
+        roles = ["system" if m.role == "developer" else m.role for m in messages]
         if "system" in roles[1:]:
-            raise ValueError("a system message may appear only once, as the first message")
-        if sum(len(m.content.encode()) for m in messages) > MAX_MESSAGES_BYTES:
+            raise ValueError("a system (or developer) message may appear only once, as the first message")
+        if sum(len(m.text().encode()) for m in messages) > MAX_MESSAGES_BYTES:
             raise ValueError(f"the messages' content exceeds {MAX_MESSAGES_BYTES // 1024} KB")
         return messages
 
     @model_validator(mode="after")
-    def _logprobs(self):
+    def _chat_fields(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs to be true")
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens: must be > 0 for chat")
+        for name, why in UNSUPPORTED_CHAT_FIELDS.items():
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: {why}")
+        if self.function_call not in (None, "none"):
+            raise ValueError("function_call: function calling is not supported by this server; only 'none'")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise ValueError("modalities: only ['text'] is served by this model")
+        if self.store:
+            raise ValueError("store: this server keeps no completions; send false or leave it out")
         return self
 
 
 class CompletionRequest(SamplingFields):
-    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+             | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]) = Field(
+        description="a string, a list of strings, a list of token ids, or a list of such lists")
     echo: StrictBool = False
     suffix: StrictStr = ""
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: StrictInt | None = Field(
+        None, gt=0, le=MAX_N, description=">= n: best_of choices are made, the n of highest mean logprob returned")
     use_raw_prompt: StrictBool = False
     error_behavior: Literal["error", "truncate"] = "error"
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a string, or token ids taken as they are."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @model_validator(mode="after")
+    def _completion_fields(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 generates nothing; it is allowed only with echo (to score the prompt)")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise ValueError(f"best_of: must be >= n ({self.n})")
+            if self.stream and self.best_of > self.n:
+                raise ValueError("best_of: cannot be streamed (the best choices are known only at the end)")
+        return self
 
 
 class EmbeddingRequest(_Strict):
-    input: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+    input: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+            | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]) = Field(
+        description="a string, a list of strings, a list of token ids, or a list of such lists")
     model: StrictStr | None = Field(None, pattern=MODEL_NAME_PATTERN)
-    instruction: StrictStr | None = Field(None, description="prepended to every input")
+    instruction: StrictStr | None = Field(None, description="prepended to every text input")
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: little-endian float32 bytes, as OpenAI's clients ask by default")
+    dimensions: StrictInt | None = Field(None, gt=0, description="refused: the model has no shortened embeddings")
+    user: StrictStr | None = Field(None, description="accepted; identifies the caller, changes nothing")
 
-    def texts(self) -> list[str]:
-        texts = [self.input] if isinstance(self.input, str) else list(self.input)
-        return [f"{self.instruction}{t}" for t in texts] if self.instruction else texts
+    @model_validator(mode="after")
+    def _embedding_fields(self):
+        if self.dimensions is not None:
+            raise ValueError("dimensions: all-MiniLM-L6-v2 was not trained for shortened embeddings; leave it out")
+        if self.instruction is not None and self.token_inputs():
+            raise ValueError("instruction: applies to text input only, not to token ids")
+        return self
+
+    def token_inputs(self) -> bool:
+        return not isinstance(self.input, str) and isinstance(self.input[0], (int, list))
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        """Texts (with the instruction prepended), or token-id lists."""
+        if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
+            items = [self.input]
+        else:
+            items = list(self.input)
+        if self.instruction and isinstance(items[0], str):
+            return [f"{self.instruction}{t}" for t in items]
+        return items

@@ -1,7 +1,7 @@
 """The engine: requests in, token outputs out, one model forward per ``step``.
 
     batch = scheduler.schedule()          # the scheduler decides
-    sampled = runner.run(batch, rows)     # the runner owns the device
+    result = runner.run(batch, rows)      # the runner owns the device
     outputs = self._postprocess(...)      # tokens, stop conditions, text, finished requests
 
 Three modes share the loop (engine/request.py ``Mode``): GENERATE runs a request to the
@@ -156,9 +156,11 @@ class LLMEngine:
                 choices = self._sampled_choices(seq) if samples else []
                 rows += [self._sampling_row(seq, c.seed) for c in choices]
                 repeats.append(len(choices))
-            sampled = self.runner.run(batch, rows, repeats)
+            result = self.runner.run(batch, rows, repeats)
+            for scores in result.prompt_scores:
+                scores.seq.prompt_logprobs[scores.first:scores.first + len(scores.entries)] = scores.entries
             self.scheduler.commit(batch)
-            outputs += self._postprocess(batch, sampled, repeats)
+            outputs += self._postprocess(batch, result.sampled, repeats)
         return outputs
 
     def _sampled_choices(self, seq: Sequence) -> list[PendingChoice]:
@@ -259,7 +261,8 @@ class LLMEngine:
                 request_id=seq.request_id, new_token_ids=[token], new_text=text, num_output_tokens=1,
                 finished=reason is not None, finish_reason=reason, seed=choice.seed,
                 logprobs=[logprob] if logprob else [], cumulative_logprob=logprob.logprob if logprob else None,
-                first_token_time=seq.first_token_time, arrival_time=seq.arrival_time, index=choice.index)
+                first_token_time=seq.first_token_time, arrival_time=seq.arrival_time, index=choice.index,
+                prompt_logprobs=seq.prompt_logprobs)
             if output.finished:
                 output.new_text += detok.finish()
                 output.output_token_ids, output.text = [token], detok.text
@@ -309,11 +312,13 @@ class LLMEngine:
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob],
                 finished: bool) -> RequestOutput:
         wants_logprobs = seq.params.logprobs is not None
+        first_token = bool(tokens) and seq.num_output_tokens == 1
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=tokens, new_text=text, num_output_tokens=seq.num_output_tokens,
             finished=finished, finish_reason=seq.finish_reason, seed=seq.seed, logprobs=logprobs,
             cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-            first_token_time=seq.first_token_time, arrival_time=seq.arrival_time, index=seq.index)
+            first_token_time=seq.first_token_time, arrival_time=seq.arrival_time, index=seq.index,
+            prompt_logprobs=seq.prompt_logprobs if first_token else None)
 
     # ---- synchronous helpers (tests, benchmarks, the CLI) ------------------------------
 

@@ -1,11 +1,14 @@
 """The model runner owns the device: the weights, the KV pool, the forward and the sampler.
 
 ``run`` turns a ScheduledBatch into one flat batch of tokens, runs one forward over it,
-computes logits only for the rows that sample, and samples them. Before the forward it
-writes imported KV and makes the block copies of copy-on-write.
+computes logits only for the rows that sample (and, for a request that asked for prompt
+logprobs, the rows of its prompt chunk), and samples them. Before the forward it writes
+imported KV and makes the block copies of copy-on-write.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -15,9 +18,27 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_transfer import KVMeta, numpy_to_tensor, tensor_to_numpy
 from engine.loader import LoadedModel
+from engine.outputs import TokenLogprob
 from engine.request import Sequence
 from engine.scheduler import ScheduledBatch
 from sampling import Sampler, SamplerOutput, SamplingBatch, SamplingRow
+
+SCORE_ROWS = 256  # prompt rows scored per LM-head call: bounds the [rows, V] float32 logits
+
+
+@dataclass
+class PromptScores:
+    """The logprobs of prompt tokens [first, first + len(entries)) of ``seq``, scored this step."""
+
+    seq: Sequence
+    first: int
+    entries: list[TokenLogprob]
+
+
+@dataclass
+class StepResult:
+    sampled: SamplerOutput | None  # None when no entry reached its last token
+    prompt_scores: list[PromptScores] = field(default_factory=list)
 
 
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
@@ -68,14 +89,16 @@ class ModelRunner:
                       spec.num_kv_heads, spec.head_dim, num_tokens, start)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, rows: list[SamplingRow], rows_per_entry: list[int]) -> SamplerOutput | None:
+    def run(self, batch: ScheduledBatch, rows: list[SamplingRow], rows_per_entry: list[int]) -> StepResult:
         """One forward over every entry of ``batch``; sample ``rows_per_entry[i]`` rows from the
         last token of each entry that reaches its end (``rows``, in entry order: one per choice
-        when a prompt's choices are sampled together)."""
+        when a prompt's choices are sampled together), and score the prompt tokens of entries
+        whose sequence asked for it."""
         for seq, first in batch.kv_imports:
             self.import_kv(seq, first)
         self.copy_blocks(batch.block_copies)
         decodes, prefills, sample_rows = [], [], []
+        to_score = []  # (seq, first hidden row, first scored position, count)
         inputs, flat = self._inputs_np, 0  # [3, N]: ids, positions, slots
         for (seq, n), samples, repeat in zip(batch.entries, batch.sampling, rows_per_entry):
             start = seq.num_computed_tokens
@@ -88,16 +111,39 @@ class ModelRunner:
             else:
                 prefills.append((flat, n, start, slots))
             sample_rows += [flat + n - 1] * repeat
+            # Row p's logits score the token at p + 1; the prompt's last row samples instead.
+            scored = min(start + n, seq.num_prompt_tokens - 1) - start
+            if seq.scores_prompt and scored > 0:
+                to_score.append((seq, flat, start + 1, scored))
             flat += n
         ids, positions, slot_mapping = self._inputs[:, :flat].to(self.device)
         attn = build_attention_batch(slot_mapping, decodes, prefills, self.windows, self.blocks.block_size,
                                      self.device)
         model = self.loaded.model
         hidden = model(ids, positions, attn, self.kv_cache)  # [N, H]
+        scores = [PromptScores(seq, first, self._score(hidden[row:row + count], seq.token_ids[first:first + count],
+                                                       seq.params.prompt_logprobs))
+                  for seq, row, first, count in to_score]
         if not sample_rows:
-            return None
+            return StepResult(None, scores)
         logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [R, V]
-        return self.sampler(logits, SamplingBatch.build(rows, self.loaded.spec.vocab_size, self.device))
+        return StepResult(self.sampler(logits, SamplingBatch.build(rows, self.loaded.spec.vocab_size, self.device)),
+                          scores)
+
+    def _score(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[TokenLogprob]:
+        """Each row's log_softmax (float32, the model's raw distribution) at its target token, and
+        its top ``top_n``; ``hidden`` [T, H] with T = len(targets)."""
+        entries = []
+        vocab = self.loaded.spec.vocab_size
+        for start in range(0, len(targets), SCORE_ROWS):
+            chunk = targets[start:start + SCORE_ROWS]
+            logprobs = self.loaded.model.compute_logits(hidden[start:start + len(chunk)])[:, :vocab].float()
+            logprobs = logprobs.log_softmax(-1)  # [t, V]
+            chosen = logprobs.gather(-1, torch.tensor(chunk, device=self.device)[:, None]).squeeze(-1).tolist()
+            top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (logprobs[:, :0], logprobs[:, :0].long())
+            entries += [TokenLogprob(t, v, list(zip(i, tv)))
+                        for t, v, i, tv in zip(chunk, chosen, top_ids.tolist(), top_values.tolist())]
+        return entries
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst gets src's KV in every layer."""

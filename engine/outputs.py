@@ -66,3 +66,6 @@ class RequestOutput:
     output_token_ids: list[int] | None = None
     text: str | None = None
     index: int = 0  # the choice (0 .. n - 1)
+    # On each choice's first output, when asked for (SamplingParams.prompt_logprobs): one entry
+    # per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -89,6 +89,16 @@ class Sequence:
         # model and dtype today; a LoRA adapter or prompt table id when those exist).
         self.kv_namespace = kv_namespace
         self.block_hashes: list[bytes] = []  # chained keys of the full blocks, memoised (tokens never change)
+        # Prompt scores, by position (position 0 has none), filled as the prompt's chunks run;
+        # None unless asked for. DECODE mode never scores: P did, and sent them to the client.
+        self.prompt_logprobs: list | None = None
+        if self.params.prompt_logprobs is not None and mode is not Mode.DECODE:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the forward must score this sequence's prompt tokens (no prefix-cache hits)."""
+        return self.prompt_logprobs is not None
 
     @property
     def key(self) -> tuple[str, int]:

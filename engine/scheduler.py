@@ -13,7 +13,8 @@ Policy:
   preempts only running requests of strictly lower priority.
 - prefix caching: a waiting request first takes the cached blocks that hold its leading full
   blocks (``BlockManager.computed_prefix``) and computes from there; a request whose KV
-  arrives from P takes its hits and imports only the rest;
+  arrives from P takes its hits and imports only the rest; a request that scores its prompt
+  (prompt logprobs) takes none and computes it whole;
 - a request with n choices is admitted as one sequence; the others fork from it once its
   prompt is computed (``fork``), so admission keeps room in ``max_num_seqs`` for them.
 """
@@ -110,7 +111,7 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self._waiting and budget > 0 and self._has_room_for(self._waiting[0][1]):
             seq = self._waiting[0][1]
-            hits = self.blocks.computed_prefix(seq)
+            hits = self._prefix_hits(seq)
             hit_tokens = len(hits) * self.blocks.block_size
             computed, n = self._first_chunk(seq, hit_tokens, budget)
             if seq.pending_kv is not None and seq.pending_kv.meta.start > hit_tokens:
@@ -130,6 +131,9 @@ class Scheduler:
             self.running.append(seq)
             batch.entries.append((seq, n))
             budget -= n
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        return [] if seq.scores_prompt else self.blocks.computed_prefix(seq)
 
     def _has_room_for(self, seq: Sequence) -> bool:
         """A request is admitted with room for its choices still to fork (unless nothing runs)."""
@@ -156,7 +160,7 @@ class Scheduler:
         if not self._waiting:
             return
         head = self._waiting[0][1]
-        hits = self.blocks.computed_prefix(head)
+        hits = self._prefix_hits(head)
         computed, n = self._first_chunk(head, len(hits) * self.blocks.block_size, self.max_num_batched_tokens)
         while not self.blocks.can_allocate(head, computed + n, hits):
             lower = [s for s in self.running if s.priority > head.priority]

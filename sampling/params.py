@@ -33,6 +33,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None  # None: the engine draws one and reports it
     logprobs: int | None = None  # None = off; N = chosen token's logprob plus the top N
+    # None = off; N = every prompt token's logprob (the model's raw distribution; the first
+    # token has none) plus the top N at its position. Such a prompt is computed whole, never
+    # taken from the prefix cache: cached blocks hold KV, not the logits that score it.
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     eos_token_id: int | None = None  # overrides the model's EOS (TensorRT-LLM's end_id)
     stop_token_ids: list[list[int]] = field(default_factory=list)  # token-id sequences
@@ -54,6 +58,11 @@ class SamplingParams:
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
             "logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}]",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+            "prompt_logprobs",
             f"must be in [0, {MAX_TOP_LOGPROBS}]",
         )
         _check(all(len(w) > 0 for w in self.bad_words_ids), "bad_words_ids", "sequences must be non-empty")

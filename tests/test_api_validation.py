@@ -104,7 +104,7 @@ CASES = [
     ("/v1/chat/completions", chat(logit_bias={"abc": 1}), 400, "logit_bias"),
     ("/v1/chat/completions", chat(stream_options={"include_usage": True}), 400, "stream_options"),
     ("/v1/chat/completions", chat(priority=9), 400, "priority"),
-    ("/v1/chat/completions", chat(user="me"), 400, "user"),
+    ("/v1/chat/completions", chat(users="me"), 400, "users"),
     ("/v1/completions", {"model": M}, 400, "prompt"),
     ("/v1/completions", completion(prompt=[]), 400, "prompt"),
     ("/v1/completions", completion(error_behavior="ignore"), 400, "error_behavior"),

@@ -1,0 +1,78 @@
+"""Server-sent events of the OpenAI dialect, as OpenAI sends them.
+
+- chat: ``role`` only in a choice's first chunk; each choice ends with a chunk of an empty
+  delta and its ``finish_reason``;
+- completions: the echoed prompt (and, with logprobs, its scores) in a choice's first chunk,
+  the suffix in its last;
+- no chunk without text or a finish reason: while a multi-byte character is incomplete the
+  engine's output has no text, and its logprobs wait for the chunk that has;
+- with ``stream_options.include_usage``: ``"usage": null`` on every chunk, then one chunk
+  with the usage and no choices; ``data: [DONE]`` last.
+"""
+
+from __future__ import annotations
+
+import json
+
+from deployments.openai_api import Choice, OpenAIFrontend, generated_logprobs, prompt_logprobs
+from engine.outputs import RequestOutput, TokenLogprob
+
+
+class StreamWriter:
+    """Turns each engine output of a choice into the SSE text to send ("" when nothing is due)."""
+
+    def __init__(self, front: OpenAIFrontend, response_id: str, created: int, choices: list[Choice], chat: bool,
+                 suffix: str = "", with_logprobs: bool = False, include_usage: bool = False) -> None:
+        self.front, self.response_id, self.created, self.choices = front, response_id, created, choices
+        self.chat, self.suffix, self.with_logprobs, self.include_usage = chat, suffix, with_logprobs, include_usage
+        self.object_name = "chat.completion.chunk" if chat else "text_completion"
+        self._started: set[int] = set()  # choice positions whose first chunk went out
+        self._held: dict[int, list[TokenLogprob | int]] = {}  # logprobs waiting for text
+
+    def write(self, position: int, output: RequestOutput) -> str:
+        choice = self.choices[position]
+        first = position not in self._started
+        entries = self._held.pop(position, [])
+        if first and not self.chat:
+            entries += prompt_logprobs(choice, output)
+        entries += generated_logprobs(choice, [output])
+        text = "" if choice.scores_only else output.new_text
+        if not self.chat:
+            text = (choice.prefix if first else "") + text + (self.suffix if output.finished else "")
+        if not text and not output.finished:
+            if entries:
+                self._held[position] = entries
+            return ""
+        self._started.add(position)
+        finish = self.front.finish_reason(choice, output) if output.finished else None
+        if not self.chat:
+            logprobs = self.front.completion_logprobs(entries) if self.with_logprobs and entries else None
+            return self._chunk([{"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}])
+        events = ""
+        if text:  # a choice's first chunk carries the role
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            body = {"index": choice.index, "delta": delta, "finish_reason": None}
+            if entries:
+                body["logprobs"] = self.front.chat_logprobs(entries)
+                entries = []
+            events += self._chunk([body])
+            first = False
+        if output.finished:  # a choice with no text at all gets its role here
+            body = {"index": choice.index, "delta": {"role": "assistant", "content": ""} if first else {},
+                    "finish_reason": finish}
+            if entries:
+                body["logprobs"] = self.front.chat_logprobs(entries)
+            events += self._chunk([body])
+        return events
+
+    def close(self) -> str:
+        """The usage chunk when asked for, then [DONE]."""
+        usage = self._chunk([], usage=self.front.usage(self.choices)) if self.include_usage else ""
+        return usage + "data: [DONE]\n\n"
+
+    def _chunk(self, choices: list[dict], **usage) -> str:
+        body = {"id": self.response_id, "object": self.object_name, "created": self.created,
+                "model": self.front.served_model_name, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage.get("usage")
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
