@@ -95,3 +95,6 @@ class EmbeddingServer:
 
     def info(self) -> str:
         return EMBEDDING_MODEL_NAME
+
+    def vocab_size(self) -> int:
+        return len(self.embedder.tokenizer)

@@ -7,9 +7,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from ray.exceptions import RayTaskError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
-         503: "service_unavailable_error"}
+TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+         413: "invalid_request_error", 503: "service_unavailable_error"}
 
 
 class ErrorDetail(BaseModel):
@@ -55,6 +56,14 @@ def from_value_error(error: ValueError) -> APIError:
     field, sep, _ = message.partition(":")
     param = field if sep and " " not in field else None
     return APIError(400, message, param, "invalid_value")
+
+
+async def on_http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own errors (a body that cannot be parsed, an unknown route or method) in OpenAI's shape."""
+    code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+    response = error_response(error.status_code, str(error.detail), None, code)
+    response.headers.update(error.headers or {})  # 405's Allow
+    return response
 
 
 async def on_api_error(_: Request, error: APIError) -> JSONResponse:

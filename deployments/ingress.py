@@ -17,49 +17,41 @@ import uuid
 from fastapi import FastAPI, Request
 import numpy as np
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from deployments import mindie
 from deployments.backends import ColocatedBackend, PDBackend, merge
 from deployments.config import AppArgs
 from deployments.errors import (APIError, documented, error_body, error_response, from_value_error, on_api_error,
-                                 on_validation_error, root_cause)
+                                 on_http_error, on_validation_error, root_cause)
 from deployments.metrics import IngressMetrics
 from deployments.openai_api import Choice, OpenAIFrontend, now_seconds
 from deployments.openai_stream import StreamWriter
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from deployments.openapi_doc import Served, openapi_schema
 from deployments.servers import ModelInfo
 from engine.outputs import TIMEOUT, RequestOutput
 
-app = FastAPI(title="pdserve", description="LLM serving with prefill/decode disaggregation on Ray Serve")
+# /openapi.json and /docs are the Ingress's own routes: the schema carries the served model's limits.
+app = FastAPI(title="pdserve", description="LLM serving with prefill/decode disaggregation on Ray Serve",
+              openapi_url=None, docs_url=None, redoc_url=None)
 app.add_exception_handler(APIError, on_api_error)
 app.add_exception_handler(RequestValidationError, on_validation_error)
+app.add_exception_handler(StarletteHTTPException, on_http_error)
 
 HEALTH_TIMEOUT_S = 5.0
 SSE = "text/event-stream"
 # What a generation route can answer: JSON, or server-sent events when "stream" is true; 400 bad
 # input, 404 a model not served, 408 a timeout before the first token, 413 a body too large,
 # 503 engines not ready or Ray Serve's back-pressure.
-GENERATION = {200: {"content": {"application/json": {}, SSE: {"schema": {"type": "string"}}}},
+GENERATION = {200: {"content": {"application/json": {}, SSE: {}}},
               **documented(400, 404, 408, 413, 503)}
 
 
-def openapi_schema() -> dict:
-    """FastAPI's schema less the 422 it adds to every route with a body: this API answers
-    validation errors with a 400 in OpenAI's shape (documented on each route)."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        for operations in schema["paths"].values():
-            for operation in operations.values():
-                operation["responses"].pop("422", None)
-        app.openapi_schema = schema
-    return app.openapi_schema
-
-
-app.openapi = openapi_schema
 
 
 @app.middleware("http")
@@ -131,6 +123,7 @@ class Ingress:
         app.state.max_body_bytes = args.max_body_bytes
         self._info: ModelInfo | None = None
         self._frontend: OpenAIFrontend | None = None
+        self._openapi: dict | None = None
 
     # ---- the engines -------------------------------------------------------------------
 
@@ -317,6 +310,26 @@ class Ingress:
             cards.append({"id": await self.embedder.info.remote(), "object": "model", "created": 0,
                           "owned_by": "pdserve"})
         return cards
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self):
+        """The schema with this deployment's limits (without them while the engines are not ready)."""
+        if self._openapi is None:
+            try:
+                info = await asyncio.wait_for(self.model_info(), HEALTH_TIMEOUT_S)
+                served = Served(self.served_model_name(info), info)
+                if self.embedder is not None:
+                    served.embedding_name, served.embedding_vocab = await asyncio.wait_for(
+                        asyncio.gather(self.embedder.info.remote(), self.embedder.vocab_size.remote()),
+                        HEALTH_TIMEOUT_S)
+            except Exception:  # not ready: the schema without the model's limits, not cached
+                return openapi_schema(app, None)
+            self._openapi = openapi_schema(app, served)
+        return self._openapi
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, http: Request):
+        return get_swagger_ui_html(openapi_url=f"{http.scope.get('root_path', '')}/openapi.json", title=app.title)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus(self):

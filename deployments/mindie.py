@@ -12,16 +12,17 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
+from deployments.json_types import Seed, StrictModel
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from sampling.params import MAX_SEED, MAX_TOP_LOGPROBS
+from sampling.params import MAX_TOP_LOGPROBS
 
 MAX_TOKEN_ID = 1024 * 1024  # the document's bound; the vocabulary is checked as well
 UINT32_MAX = 2_147_483_647
-TokenSequences = list[Annotated[list[StrictInt], Field(min_length=1)]]
+TokenSequences = list[Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]]
 
 # Engine finish reasons -> MindIE's. Cancellation, expiry and errors are all stop_sequence
 # there, with err_msg set.
@@ -29,49 +30,39 @@ FINISH_REASONS = {EOS: "eos_token", STOP: "stop_sequence", LENGTH: "length", ABO
                   TIMEOUT: "stop_sequence"}
 
 
-class InferParameters(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    temperature: float = Field(1.0, gt=0.0, description="> 0; below 0.001 degrades text")
+class InferParameters(StrictModel):
+    temperature: StrictFloat = Field(1.0, gt=0.0, description="> 0; below 0.001 degrades text")
     top_k: StrictInt | None = Field(None, gt=0, le=UINT32_MAX, description="a value >= vocab size means off")
-    top_p: float | None = Field(None, gt=0.0, lt=1.0, description="(0, 1), open at both ends; absent means 1.0")
+    top_p: StrictFloat | None = Field(None, gt=0.0, lt=1.0, description="(0, 1), open at both ends; absent means 1.0")
     max_new_tokens: StrictInt = Field(20, gt=0, le=UINT32_MAX, description="capped by the server's max_iter_times")
     do_sample: StrictBool | None = Field(None, description="absent: greedy iff top_k == 1 (docs/sampling.md)")
-    seed: StrictInt | None = Field(None, gt=0, le=MAX_SEED, description="absent: the server draws one")
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    seed: Seed | None = Field(None, description="absent: the server draws one")
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0)
     details: StrictBool = False
-    typical_p: float = Field(1.0, gt=0.0, le=1.0, description="accepted; no effect (as the document says)")
+    typical_p: StrictFloat = Field(1.0, gt=0.0, le=1.0, description="accepted; no effect (as the document says)")
     watermark: StrictBool = Field(False, description="accepted; no effect (as the document says)")
     priority: StrictInt = Field(5, ge=1, le=5, description="1 is served first")
     timeout: StrictInt = Field(600, gt=0, le=3600, description="seconds, queueing and generation together")
     # Extensions from TensorRT-LLM's InferenceRequest.
     min_length: StrictInt = Field(0, ge=0, description="EOS is masked until this many new tokens")
     no_repeat_ngram_size: StrictInt = Field(0, ge=0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     stop_words: TokenSequences = Field(default_factory=list, description="token-id sequences that end the output")
     bad_words: TokenSequences = Field(default_factory=list, description="token-id sequences never produced")
-    embedding_bias: list[float] | None = Field(None, description="one bias per vocabulary entry")
+    embedding_bias: list[StrictFloat] | None = Field(None, description="one bias per vocabulary entry")
     end_id: StrictInt | None = Field(None, ge=0, description="replaces the model's EOS id")
     return_log_probs: StrictBool = False
     top_log_probs: StrictInt = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token")
     ignore_eos: StrictBool = False
 
 
-class InferTokenRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class InferTokenRequest(StrictModel):
 
-    input_id: list[StrictInt] = Field(min_length=1, description="token ids, each inside the vocabulary")
+    input_id: list[Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]] = Field(
+        min_length=1, description="token ids, each inside the vocabulary")
     stream: StrictBool = False
     parameters: InferParameters = Field(default_factory=InferParameters)
-
-    @field_validator("input_id")
-    @classmethod
-    def _ids_in_range(cls, ids: list[int]) -> list[int]:
-        bad = [i for i in ids if not 0 <= i <= MAX_TOKEN_ID]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside [0, {MAX_TOKEN_ID}]")
-        return ids
 
 
 def to_generation_request(body: InferTokenRequest, request_id: str, deadline: float,

@@ -5,6 +5,7 @@ whole responses (streams: deployments/openai_stream.py). docs/api.md has every d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import re
 import time
 
 from transformers import PreTrainedTokenizerBase
@@ -135,14 +136,14 @@ class OpenAIFrontend:
 
     def _params(self, body: SamplingFields, logprobs: int | None, prompt_logprobs: int | None = None,
                 max_new_tokens: int | None = None) -> SamplingParams:
+        for param in ("max_tokens", "max_completion_tokens"):  # each is checked, though one wins
+            if (getattr(body, param, None) or 0) > self.max_iter_times:
+                raise APIError(400, f"{param}: must be in (0, {self.max_iter_times}] (max_iter_times)", param,
+                               "invalid_value")
         limit = body.output_limit()
-        if limit is not None and limit > self.max_iter_times:
-            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-            raise APIError(400, f"{param}: must be in (0, {self.max_iter_times}] (max_iter_times)", param,
-                           "invalid_value")
         bias = {}
         for key, value in (body.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= self.vocab_size:
+            if not re.fullmatch(r"0|[1-9][0-9]*", key) or int(key) >= self.vocab_size:
                 raise APIError(400, f"logit_bias: key {key!r} is not a token id in [0, {self.vocab_size})",
                                "logit_bias", "invalid_value")
             bias[int(key)] = value

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema, field_validator,
+                      model_validator)
 
+from deployments.json_types import Seed, StrictModel, only
 from engine.request import MAX_CHOICES
-from sampling.params import MAX_SEED, MAX_TOP_LOGPROBS
+from sampling.params import MAX_TOP_LOGPROBS
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,254}[A-Za-z0-9])?$"
 MAX_MESSAGES_BYTES = 512 * 1024  # total content of a chat request
@@ -21,37 +23,33 @@ MAX_N = MAX_CHOICES  # choices per prompt (OpenAI's limit too)
 MAX_STOP = 16  # stop strings per request
 MAX_BATCH_PROMPTS = 64  # prompts in one completions request, inputs in one embeddings request
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
-TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 # OpenAI's service tiers: one tier here, so each is served alike (docs/api.md).
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: StrictBool = False
-    include_obfuscation: StrictBool = Field(False, description="only false: no obfuscation padding is added")
+    include_obfuscation: Annotated[StrictBool, only(False, description="no obfuscation padding is added")] = False
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictModel):
     """Fields that chat and completions share."""
 
     model: StrictStr = Field(pattern=MODEL_NAME_PATTERN, description="letters, digits, '.', '-', '_'; <= 256")
     max_tokens: StrictInt | None = Field(
         None, ge=0, description="(0, max_iter_times]; absent: max_iter_times. 0 only on completions with echo")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="[0, 2]; 0 is greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0, description="[0, 2]; 0 is greedy")
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(None, gt=0, description="absent: no top-k")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: StrictInt | None = Field(None, gt=0, le=MAX_SEED, description="absent: the server draws one")
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    seed: Seed | None = Field(None, description="absent: the server draws one")
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None = None
     n: StrictInt = Field(1, gt=0, le=MAX_N)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = None
     user: StrictStr | None = Field(None, description="accepted; identifies the caller, changes nothing")
     # Extensions, as on /infer_token.
     priority: StrictInt = Field(5, ge=1, le=5, description="1 is served first")
@@ -74,15 +72,22 @@ class SamplingFields(_Strict):
         return self
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
-    text: StrictStr
+    text: NonEmptyStr
 
 
-class ChatMessage(_Strict):
+# What the schema says of list content: text parts only (other parts are refused with a 400
+# that names their type, rather than pydantic's account of a failed union).
+TEXT_PARTS_SCHEMA = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "additionalProperties": False, "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string", "minLength": 1}}}}
+
+
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # A string, or OpenAI's list of parts; only text parts are read (this model reads text only).
-    content: NonEmptyStr | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    content: NonEmptyStr | Annotated[list[dict[str, Any]], Field(min_length=1), WithJsonSchema(TEXT_PARTS_SCHEMA)]
     name: StrictStr | None = Field(None, description="given to the chat template, which may use it")
     tool_call_id: StrictStr | None = None
 
@@ -97,8 +102,6 @@ class ChatMessage(_Strict):
                 raise ValueError(f"part {j} is of type {part.get('type')!r}; this model reads text parts only "
                                  "(no image, audio or file input)")
             parts.append(TextPart.model_validate(part))
-        if not any(p.text for p in parts):
-            raise ValueError("the text parts are all empty")
         return parts
 
     def text(self) -> str:
@@ -124,8 +127,9 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
+class ResponseFormat(StrictModel):
+    type: Annotated[Literal["text", "json_object", "json_schema"],
+                    only("text", description="json_object and json_schema need constrained decoding")]
     json_schema: dict | None = None
 
 
@@ -147,23 +151,25 @@ class ChatCompletionRequest(SamplingFields):
         None, gt=0, description="OpenAI's current name for max_tokens; wins over it when both are set")
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Annotated[list[Tool], Field(max_length=32)] | None = None
-    tool_choice: StrictStr | dict | None = None
+    tools: Annotated[Annotated[list[Tool], Field(max_length=32)] | None,
+                     only([], None, description="tool calling is not supported yet")] = None
+    tool_choice: Annotated[StrictStr | dict | None, only("none", None, description="no tool calling")] = None
     parallel_tool_calls: StrictBool | None = Field(None, description="accepted; no tools are called here")
-    function_call: StrictStr | dict | None = Field(None, description="deprecated; only 'none'")
+    function_call: Annotated[StrictStr | dict | None, only("none", None, description="deprecated; only 'none'")] = None
     response_format: ResponseFormat | None = None
-    modalities: list[Literal["text", "audio"]] | None = Field(None, description="only ['text']")
+    modalities: Annotated[list[Literal["text", "audio"]] | None, only(["text"], None, description="text only")] = None
     metadata: dict[str, StrictStr] | None = Field(None, description="accepted; nothing is stored")
-    store: StrictBool | None = Field(None, description="only false: nothing is stored")
+    store: Annotated[StrictBool | None, only(False, None, description="nothing is stored")] = None
     service_tier: ServiceTier | None = Field(None, description="accepted; one tier here")
     prompt_cache_key: StrictStr | None = Field(None, description="accepted; prefix caching is by content")
     safety_identifier: StrictStr | None = Field(None, description="accepted; identifies the caller")
-    audio: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    web_search_options: Any = None
-    functions: Any = None
+    # Refused unless null (UNSUPPORTED_CHAT_FIELDS says why).
+    audio: Annotated[Any, only(None, description=UNSUPPORTED_CHAT_FIELDS["audio"])] = None
+    prediction: Annotated[Any, only(None, description=UNSUPPORTED_CHAT_FIELDS["prediction"])] = None
+    reasoning_effort: Annotated[Any, only(None, description=UNSUPPORTED_CHAT_FIELDS["reasoning_effort"])] = None
+    verbosity: Annotated[Any, only(None, description=UNSUPPORTED_CHAT_FIELDS["verbosity"])] = None
+    web_search_options: Annotated[Any, only(None, description=UNSUPPORTED_CHAT_FIELDS["web_search_options"])] = None
+    functions: Annotated[Any, only(None, description=UNSUPPORTED_CHAT_FIELDS["functions"])] = None
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -221,12 +227,12 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None:
             if self.best_of < self.n:
                 raise ValueError(f"best_of: must be >= n ({self.n})")
-            if self.stream and self.best_of > self.n:
+            if self.stream and self.best_of > 1:
                 raise ValueError("best_of: cannot be streamed (the best choices are known only at the end)")
         return self
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(StrictModel):
     input: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
             | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]) = Field(
         description="a string, a list of strings, a list of token ids, or a list of such lists")
@@ -234,7 +240,7 @@ class EmbeddingRequest(_Strict):
     instruction: StrictStr | None = Field(None, description="prepended to every text input")
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: little-endian float32 bytes, as OpenAI's clients ask by default")
-    dimensions: StrictInt | None = Field(None, gt=0, description="refused: the model has no shortened embeddings")
+    dimensions: Annotated[StrictInt | None, only(None, description="the model has no shortened embeddings")] = None
     user: StrictStr | None = Field(None, description="accepted; identifies the caller, changes nothing")
 
     @model_validator(mode="after")
@@ -257,3 +263,4 @@ class EmbeddingRequest(_Strict):
         if self.instruction and isinstance(items[0], str):
             return [f"{self.instruction}{t}" for t in items]
         return items
+

@@ -1,0 +1,41 @@
+"""What the API's schemas (MindIE's and OpenAI's dialects) share."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, WithJsonSchema, model_validator
+
+from sampling.params import MAX_SEED
+
+# uint64 in (0, 2^64 - 1]; deployments/openapi_doc.py writes its bound exactly.
+Seed = Annotated[StrictInt, Field(gt=0, le=MAX_SEED)]
+
+
+def _integral(value):
+    """Numbers with no fractional part as ints, in nested lists and objects too."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    return value
+
+
+class StrictModel(BaseModel):
+    """Unknown fields are refused; types are strict (no "5" for 5, no true for 1), except that
+    an integer may come as 107.0, as JSON Schema's integer allows."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_integers(cls, data):
+        return _integral(data)
+
+
+def only(*values, description: str) -> WithJsonSchema:
+    """The schema of a field whose other values are refused with a 400 that says why: it lists
+    the accepted ones, so a schema-driven client never builds a request that is refused."""
+    return WithJsonSchema({"enum": list(values), "description": description})

@@ -1,0 +1,136 @@
+"""/openapi.json: FastAPI's schema, completed with what pydantic cannot say.
+
+- the statuses each route returns are declared on the routes; the 422 FastAPI adds to every
+  route with a body is removed (validation errors are 400s in OpenAI's shape);
+- rules across fields that JSON Schema can say (``add_rules_across_fields``);
+- the served model's limits, once the engines are known: token ids below its vocabulary,
+  ``max_tokens`` up to ``max_iter_times``, ``embedding_bias`` of the vocabulary's length.
+
+A schema-driven client (schemathesis, code generators) then builds no request that the
+validators refuse, except for the rules no JSON Schema can say (docs/api.md lists them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from deployments.servers import ModelInfo
+from sampling.params import MAX_SEED
+
+
+@dataclass
+class Served:
+    """What the schema states of this deployment: the model names and their limits."""
+
+    name: str
+    info: ModelInfo
+    embedding_name: str | None = None
+    embedding_vocab: int | None = None
+
+
+def openapi_schema(app: FastAPI, served: Served | None) -> dict:
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            operation["responses"].pop("422", None)
+    schemas = schema["components"]["schemas"]
+    _exact_integer_bounds(schemas)
+    add_rules_across_fields(schemas)
+    if served is not None:
+        add_model_limits(schema, served)
+    return schema
+
+
+def _exact_integer_bounds(node, name: str = "") -> None:
+    """FastAPI writes every bound as a float: 128.0, and 2^64 - 1 as 2^64, which a seed may not
+    be. Integer bounds are written as integers, the seed's as 2^64 - 1."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(node.get(key), float):
+                    node[key] = MAX_SEED if name == "seed" and key == "maximum" else int(node[key])
+        for key, child in node.items():
+            _exact_integer_bounds(child, key if isinstance(child, dict) and key != "properties" else name)
+    elif isinstance(node, list):
+        for child in node:
+            _exact_integer_bounds(child, name)
+
+
+def _when(field: str, condition: dict, then: dict) -> dict:
+    return {"if": {"properties": {field: condition}, "required": [field]}, "then": then}
+
+
+def _must(field: str, value) -> dict:
+    return {"properties": {field: {"const": value}}, "required": [field]}
+
+
+def add_rules_across_fields(schemas: dict) -> None:
+    """Only the first message may be system/developer; top_logprobs needs logprobs;
+    stream_options needs stream; max_tokens 0 needs echo; a stream takes no best_of above 1;
+    instruction is for text input only."""
+    chat, completion, embedding = (schemas[n] for n in ("ChatCompletionRequest", "CompletionRequest",
+                                                         "EmbeddingRequest"))
+    message = {"$ref": "#/components/schemas/ChatMessage"}
+    chat["properties"]["messages"].update(
+        prefixItems=[message],
+        items={"allOf": [message, {"properties": {"role": {"not": {"enum": ["system", "developer"]}}}}]})
+    streaming = _when("stream_options", {"type": "object"}, _must("stream", True))
+    chat["allOf"] = [streaming, _when("top_logprobs", {"type": "integer"}, _must("logprobs", True))]
+    completion["allOf"] = [streaming, _when("max_tokens", {"const": 0}, _must("echo", True)),
+                           _when("stream", {"const": True}, {"properties": {"best_of": {"enum": [None, 1]}}})]
+    token_input = {"type": "array", "items": {"type": ["integer", "array"]}}
+    embedding["allOf"] = [_when("input", token_input, {"properties": {"instruction": {"type": "null"}}})]
+
+
+def _cap(node, key: str, value) -> None:
+    """Set ``key`` (a maximum, a length) on every integer (or array) schema inside ``node``."""
+    if isinstance(node, dict):
+        kind = "array" if key.endswith("Items") else "integer"
+        if node.get("type") == kind:
+            node[key] = min(node.get(key, value), value) if key == "maximum" else value
+        for child in node.values():
+            _cap(child, key, value)
+    elif isinstance(node, list):
+        for child in node:
+            _cap(child, key, value)
+
+
+def integer_pattern(maximum: int) -> str:
+    """A regex of the decimal integers 0..maximum, no leading zeros (logit_bias's keys)."""
+    digits = str(maximum)
+    shorter = [r"[0-9]"] + [rf"[1-9][0-9]{{{n}}}" for n in range(1, len(digits) - 1)]
+    lowest = [int(i == 0 and len(digits) > 1) for i in range(len(digits))]  # no leading zero
+    same = [digits[:i] + f"[{lowest[i]}-{int(d) - 1}]" + "[0-9]" * (len(digits) - i - 1)
+            for i, d in enumerate(digits) if int(d) > lowest[i]]
+    alternatives = (shorter if len(digits) > 1 else []) + same + [digits]
+    return "^(" + "|".join(alternatives) + ")$"
+
+
+def add_model_limits(schema: dict, served: Served) -> None:
+    """The served names as the only values of ``model``, and the limits of the models' vocabularies."""
+    schemas, info = schema["components"]["schemas"], served.info
+    names = [served.name] + ([served.embedding_name] if served.embedding_name else [])
+    for parameter in schema["paths"]["/v1/models/{model_id}"]["get"]["parameters"]:
+        parameter["schema"]["enum"] = names
+    for request in ("ChatCompletionRequest", "CompletionRequest"):
+        schemas[request]["properties"]["model"]["enum"] = [served.name]
+    if served.embedding_name is not None:
+        schemas["EmbeddingRequest"]["properties"]["model"]["anyOf"][0]["enum"] = [served.embedding_name]
+        _cap(schemas["EmbeddingRequest"]["properties"]["input"], "maximum", served.embedding_vocab - 1)
+    last_id = info.vocab_size - 1
+    infer, parameters = schemas["InferTokenRequest"]["properties"], schemas["InferParameters"]["properties"]
+    for node in (infer["input_id"], parameters["stop_words"], parameters["bad_words"], parameters["end_id"],
+                 schemas["CompletionRequest"]["properties"]["prompt"]):
+        _cap(node, "maximum", last_id)
+    for key in ("minItems", "maxItems"):
+        _cap(parameters["embedding_bias"], key, info.vocab_size)
+    for request in ("ChatCompletionRequest", "CompletionRequest"):
+        schemas[request]["properties"]["logit_bias"]["anyOf"][0]["propertyNames"] = {
+            "pattern": integer_pattern(last_id)}
+    for request in ("ChatCompletionRequest", "CompletionRequest"):
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in schemas[request]["properties"]:
+                _cap(schemas[request]["properties"][field], "maximum", info.max_iter_times)
