@@ -47,7 +47,9 @@ def request_body(endpoint: str, work: Work, model: str, timeout: int) -> dict:
 
 
 async def send(client: httpx.AsyncClient, endpoint: str, work: Work, model: str, timeout: int) -> Result:
-    """Stream one request; a token is an event that carries text or a token (not the usage or [DONE])."""
+    """Stream one request. Latencies are per event that carries text or a token (not the usage or
+    [DONE]); on /v1 an event may carry several tokens (a character split over tokens waits for its
+    last byte), so the output is counted from the usage chunk, as vLLM's benchmark counts it."""
     result = Result(work, start=time.perf_counter(), input_tokens=len(work.input_ids))
     last = None
     try:
@@ -64,8 +66,9 @@ async def send(client: httpx.AsyncClient, endpoint: str, work: Work, model: str,
                 if "error" in event:
                     result.error = event["error"].get("message", "stream error")
                     break
-                if event.get("usage"):
+                if event.get("usage"):  # the last event before [DONE]
                     result.input_tokens = event["usage"]["prompt_tokens"]
+                    result.output_tokens = event["usage"]["completion_tokens"]
                 if not _is_token(endpoint, event):
                     continue
                 now = time.perf_counter()

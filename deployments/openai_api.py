@@ -155,8 +155,9 @@ class OpenAIFrontend:
 
     # ---- responses out -----------------------------------------------------------------
 
-    def finish_reason(self, choice: Choice, output: RequestOutput) -> str:
-        return self.finish_reasons[LENGTH if choice.scores_only else output.finish_reason]
+    def finish_reason(self, output: RequestOutput, scores_only: bool = False) -> str:
+        """The dialect's reason; a choice that only scores its prompt ends by its length (0)."""
+        return self.finish_reasons[LENGTH if scores_only else output.finish_reason]
 
     @staticmethod
     def usage(choices: list[Choice]) -> dict:
@@ -185,7 +186,7 @@ class OpenAIFrontend:
         return {"id": response_id, "object": "chat.completion", "created": created, "model": self.served_model_name,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "logprobs": self.chat_logprobs(generated_logprobs(c, c.outputs)),
-                             "finish_reason": self.finish_reason(c, c.final)}
+                             "finish_reason": self.finish_reason(c.final, c.scores_only)}
                             for c in choices],
                 "usage": self.usage(choices)}
 
@@ -198,7 +199,7 @@ class OpenAIFrontend:
 
         return {"id": response_id, "object": "text_completion", "created": created, "model": self.served_model_name,
                 "choices": [{"index": c.index, "text": c.prefix + c.text + suffix, "logprobs": logprobs(c),
-                             "finish_reason": self.finish_reason(c, c.final)} for c in returned],
+                             "finish_reason": self.finish_reason(c.final, c.scores_only)} for c in returned],
                 "usage": self.usage(made)}
 
     def _token_text(self, token_id: int) -> str:

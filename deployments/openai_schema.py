@@ -24,6 +24,16 @@ MAX_STOP = 16  # stop strings per request
 MAX_BATCH_PROMPTS = 64  # prompts in one completions request, inputs in one embeddings request
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+# A completion's prompt, an embedding's input: one or a batch, of text or of token ids.
+TextsOrTokenIds = Annotated[
+    NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+    | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)],
+    Field(description="a string, a list of strings, a list of token ids, or a list of such lists")]
+
+
+def as_batch(value: str | list) -> list[str] | list[list[int]]:
+    """One text or one token-id list becomes a batch of one."""
+    return [value] if isinstance(value, str) or isinstance(value[0], int) else list(value)
 # OpenAI's service tiers: one tier here, so each is served alike (docs/api.md).
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
@@ -203,9 +213,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
-             | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]) = Field(
-        description="a string, a list of strings, a list of token ids, or a list of such lists")
+    prompt: TextsOrTokenIds
     echo: StrictBool = False
     suffix: StrictStr = ""
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -214,11 +222,9 @@ class CompletionRequest(SamplingFields):
     use_raw_prompt: StrictBool = False
     error_behavior: Literal["error", "truncate"] = "error"
 
-    def prompts(self) -> list[str | list[int]]:
+    def prompts(self) -> list[str] | list[list[int]]:
         """Each prompt: a string, or token ids taken as they are."""
-        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
-            return [self.prompt]
-        return list(self.prompt)
+        return as_batch(self.prompt)
 
     @model_validator(mode="after")
     def _completion_fields(self):
@@ -233,9 +239,7 @@ class CompletionRequest(SamplingFields):
 
 
 class EmbeddingRequest(StrictModel):
-    input: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
-            | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]) = Field(
-        description="a string, a list of strings, a list of token ids, or a list of such lists")
+    input: TextsOrTokenIds
     model: StrictStr | None = Field(None, pattern=MODEL_NAME_PATTERN)
     instruction: StrictStr | None = Field(None, description="prepended to every text input")
     encoding_format: Literal["float", "base64"] = Field(
@@ -256,11 +260,7 @@ class EmbeddingRequest(StrictModel):
 
     def inputs(self) -> list[str] | list[list[int]]:
         """Texts (with the instruction prepended), or token-id lists."""
-        if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
-            items = [self.input]
-        else:
-            items = list(self.input)
+        items = as_batch(self.input)
         if self.instruction and isinstance(items[0], str):
             return [f"{self.instruction}{t}" for t in items]
         return items
-

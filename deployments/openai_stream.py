@@ -44,7 +44,7 @@ class StreamWriter:
                 self._held[position] = entries
             return ""
         self._started.add(position)
-        finish = self.front.finish_reason(choice, output) if output.finished else None
+        finish = self.front.finish_reason(output, choice.scores_only) if output.finished else None
         if not self.chat:
             logprobs = self.front.completion_logprobs(entries) if self.with_logprobs and entries else None
             return self._chunk([{"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}])

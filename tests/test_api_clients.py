@@ -234,35 +234,38 @@ def test_langchain_invoke_stream_and_batch(base_url):
 CHOICE_DOCS = [{"question": "The color of the sky is", "choices": [" blue", " green", " loud"], "answer": 0},
                {"question": "Two plus two is", "choices": [" four", " five"], "answer": 0},
                {"question": "Cats say", "choices": [" meow", " woof", " moo"], "answer": 0}]
+TEXT_DOCS = [{"text": "It was the best of times, it was the worst of times."}, {"text": "Call me Ishmael."}]
 GEN_DOCS = [{"question": "Q: What is the capital of France?\nA:", "answer": " Paris"},
             {"question": "Q: Name a prime number.\nA:", "answer": " 7"}]
 
 
-def write_tasks(directory) -> None:
-    """Two tasks on local JSON files: loglikelihood (multiple choice) and generate_until."""
-    (directory / "choice.jsonl").write_text("\n".join(json.dumps(d) for d in CHOICE_DOCS))
-    (directory / "gen.jsonl").write_text("\n".join(json.dumps(d) for d in GEN_DOCS))
-    (directory / "pdserve_choice.yaml").write_text(f"""task: pdserve_choice
+def write_task(directory, name: str, docs: list[dict], output_type: str, fields: str) -> None:
+    """An lm-eval task over a local JSON-lines file (nothing is fetched)."""
+    (directory / f"{name}.jsonl").write_text("\n".join(json.dumps(d) for d in docs))
+    (directory / f"{name}.yaml").write_text(f"""task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {directory / 'choice.jsonl'}
+    test: {directory / f'{name}.jsonl'}
 test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
+output_type: {output_type}
+{fields}""")
+
+
+def write_tasks(directory) -> None:
+    """loglikelihood (multiple choice), loglikelihood_rolling (perplexity) and generate_until."""
+    write_task(directory, "pdserve_choice", CHOICE_DOCS, "multiple_choice", """doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
 doc_to_target: answer
 metric_list:
   - metric: acc
 """)
-    (directory / "pdserve_gen.yaml").write_text(f"""task: pdserve_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {directory / 'gen.jsonl'}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{question}}}}"
+    write_task(directory, "pdserve_ppl", TEXT_DOCS, "loglikelihood_rolling", """doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list:
+  - metric: word_perplexity
+""")
+    write_task(directory, "pdserve_gen", GEN_DOCS, "generate_until", """doc_to_text: "{{question}}"
 doc_to_target: answer
 generation_kwargs:
   until: ["\\n"]
@@ -285,8 +288,8 @@ def test_lm_eval_local_completions_scores_equal_transformers(base_url, tmp_path,
     write_tasks(tmp_path)
     lm = LocalCompletionsAPI(base_url=f"{base_url}/v1/completions", model=MODEL, tokenizer=str(ensure_tiny_model()),
                              tokenizer_backend="huggingface", max_length=256)
-    results = lm_eval.simple_evaluate(model=lm, tasks=["pdserve_choice", "pdserve_gen"], log_samples=True,
-                                      task_manager=TaskManager(include_path=str(tmp_path)))
+    results = lm_eval.simple_evaluate(model=lm, tasks=["pdserve_choice", "pdserve_ppl", "pdserve_gen"],
+                                      log_samples=True, task_manager=TaskManager(include_path=str(tmp_path)))
     correct = []
     for sample in results["samples"]["pdserve_choice"]:
         lls = []
@@ -298,6 +301,11 @@ def test_lm_eval_local_completions_scores_equal_transformers(base_url, tmp_path,
             lls.append(expected)
         correct.append(int(np.argmax(lls)) == sample["target"])
     assert results["results"]["pdserve_choice"]["acc,none"] == pytest.approx(np.mean(correct))
+    for sample in results["samples"]["pdserve_ppl"]:  # each document is one window after the prefix token
+        ids = lm.tok_encode(sample["doc"]["text"])
+        expected = sum(hf_logprobs(hf_model, [lm.prefix_token_id] + ids))
+        assert float(sample["filtered_resps"][0]) == pytest.approx(expected, abs=1e-3)
+    assert results["results"]["pdserve_ppl"]["word_perplexity,none"] > 1.0
     c = client(base_url)
     for sample in results["samples"]["pdserve_gen"]:
         context = sample["arguments"][0][0]
@@ -313,8 +321,8 @@ def test_lm_eval_local_completions_scores_equal_transformers(base_url, tmp_path,
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_aiperf_profile_succeeds_and_reports_latencies(base_url, tmp_path, endpoint):
     requests = 8
-    command = [str(Path(sys.executable).parent / "aiperf"), "profile", "--model", MODEL, "--url", base_url, "--endpoint-type",
-               endpoint, "--streaming", "--request-count", str(requests), "--concurrency", "2", "--tokenizer",
+    command = [str(Path(sys.executable).parent / "aiperf"), "profile", "--model", MODEL, "--url", base_url,
+               "--endpoint-type", endpoint, "--streaming", "--request-count", str(requests), "--concurrency", "2", "--tokenizer",
                str(ensure_tiny_model()), "--prompt-input-tokens-mean", "20", "--prompt-output-tokens-mean", "8",
                "--output-artifact-dir", str(tmp_path), "--no-auto-plot", "--random-seed", "1"]
     # aiperf 0.13 in HF offline mode reads a local tokenizer path as a hub id and fails; the
