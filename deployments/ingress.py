@@ -30,8 +30,8 @@ from deployments.errors import (APIError, documented, error_body, error_response
                                  on_http_error, on_validation_error, root_cause)
 from deployments.metrics import IngressMetrics
 from deployments.openai_api import Choice, OpenAIFrontend, now_seconds
-from deployments.openai_stream import StreamWriter
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from deployments.openai_stream import StreamWriter
 from deployments.openapi_doc import Served, openapi_schema
 from deployments.servers import ModelInfo
 from engine.outputs import TIMEOUT, RequestOutput
@@ -50,8 +50,6 @@ SSE = "text/event-stream"
 # 503 engines not ready or Ray Serve's back-pressure.
 GENERATION = {200: {"content": {"application/json": {}, SSE: {}}},
               **documented(400, 404, 408, 413, 503)}
-
-
 
 
 @app.middleware("http")
