@@ -338,14 +338,15 @@ def test_aiperf_profile_succeeds_and_reports_latencies(base_url, tmp_path, endpo
 
 
 @pytest.mark.slow
-def test_schemathesis_finds_no_failing_check(base_url):
+def test_schemathesis_finds_no_failing_check(base_url, tmp_path):
     """Every check of the schema (server errors, undocumented status codes and content types,
-    response bodies against their schemas) over generated requests to every operation."""
+    response bodies against their schemas) over generated requests to every operation. It runs
+    in a fresh folder: schemathesis keeps a cache of past failures in its working directory."""
     command = [str(Path(sys.executable).parent / "schemathesis"), "run", f"{base_url}/openapi.json", "--checks", "all",
                "--max-examples", "25", "--generation-deterministic", "--request-timeout", "300",
                # the largest valid request (64 prompts x best_of 128) takes about a minute on 2 cores
                "--max-response-time", "300", "--no-color"]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-6000:]
