@@ -60,21 +60,18 @@ class SentenceEmbedder:
             tokens += int(batch["attention_mask"].sum())
         return EmbeddingResult(vectors, tokens)
 
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
     def _id_batch(self, inputs: list[list[int]], first_index: int) -> dict[str, torch.Tensor]:
-        vocab = len(self.tokenizer)
         rows = [ids[:self.max_seq_length] for ids in inputs]
         for i, ids in enumerate(rows):
-            bad = [t for t in ids if not 0 <= t < vocab]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"input: token id {bad[0]} (input {first_index + i}) is outside the "
-                                 f"vocabulary [0, {vocab})")
-        width = max(len(ids) for ids in rows)
-        input_ids = torch.full((len(rows), width), self.tokenizer.pad_token_id or 0)  # [B, T]
-        mask = torch.zeros(len(rows), width, dtype=torch.int64)
-        for i, ids in enumerate(rows):
-            input_ids[i, :len(ids)] = torch.tensor(ids)
-            mask[i, :len(ids)] = 1
-        return {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(mask)}
+                                 f"vocabulary [0, {self.vocab_size})")
+        return self.tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # input_ids, attention_mask [B, T]
 
     @torch.inference_mode()
     def _pooled(self, batch) -> torch.Tensor:
@@ -97,4 +94,4 @@ class EmbeddingServer:
         return EMBEDDING_MODEL_NAME
 
     def vocab_size(self) -> int:
-        return len(self.embedder.tokenizer)
+        return self.embedder.vocab_size

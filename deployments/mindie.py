@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
-from deployments.json_types import Seed, StrictModel
+from deployments.json_types import Seed, StrictModel, TokenId
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput
 from engine.request import GenerationRequest
 from sampling import SamplingParams
@@ -22,7 +22,7 @@ from sampling.params import MAX_TOP_LOGPROBS
 
 MAX_TOKEN_ID = 1024 * 1024  # the document's bound; the vocabulary is checked as well
 UINT32_MAX = 2_147_483_647
-TokenSequences = list[Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]]
+TokenSequences = list[Annotated[list[TokenId], Field(min_length=1)]]
 
 # Engine finish reasons -> MindIE's. Cancellation, expiry and errors are all stop_sequence
 # there, with err_msg set.
@@ -58,8 +58,7 @@ class InferParameters(StrictModel):
 
 
 class InferTokenRequest(StrictModel):
-
-    input_id: list[Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]] = Field(
+    input_id: list[Annotated[TokenId, Field(le=MAX_TOKEN_ID)]] = Field(
         min_length=1, description="token ids, each inside the vocabulary")
     stream: StrictBool = False
     parameters: InferParameters = Field(default_factory=InferParameters)

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema, field_validator,
                       model_validator)
 
-from deployments.json_types import Seed, StrictModel, only
+from deployments.json_types import Seed, StrictModel, TokenId, only
 from engine.request import MAX_CHOICES
 from sampling.params import MAX_TOP_LOGPROBS
 
@@ -23,7 +23,7 @@ MAX_N = MAX_CHOICES  # choices per prompt (OpenAI's limit too)
 MAX_STOP = 16  # stop strings per request
 MAX_BATCH_PROMPTS = 64  # prompts in one completions request, inputs in one embeddings request
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # A completion's prompt, an embedding's input: one or a batch, of text or of token ids.
 TextsOrTokenIds = Annotated[
     NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]

@@ -44,19 +44,27 @@ def openapi_schema(app: FastAPI, served: Served | None) -> dict:
     return schema
 
 
-def _exact_integer_bounds(node, name: str = "") -> None:
-    """FastAPI writes every bound as a float: 128.0, and 2^64 - 1 as 2^64, which a seed may not
-    be. Integer bounds are written as integers, the seed's as 2^64 - 1."""
+def _schemas_of(kind: str, node):
+    """Every schema of type ``kind`` ("integer", "array") inside ``node``."""
     if isinstance(node, dict):
-        if node.get("type") == "integer":
-            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
-                if isinstance(node.get(key), float):
-                    node[key] = MAX_SEED if name == "seed" and key == "maximum" else int(node[key])
-        for key, child in node.items():
-            _exact_integer_bounds(child, key if isinstance(child, dict) and key != "properties" else name)
+        if node.get("type") == kind:
+            yield node
+        for child in node.values():
+            yield from _schemas_of(kind, child)
     elif isinstance(node, list):
         for child in node:
-            _exact_integer_bounds(child, name)
+            yield from _schemas_of(kind, child)
+
+
+def _exact_integer_bounds(schemas: dict) -> None:
+    """FastAPI writes every bound as a float: 128.0, and 2^64 - 1 as 2^64, which a seed may not
+    be. Integer bounds are written as integers, the seed's as 2^64 - 1."""
+    for node in _schemas_of("integer", schemas):
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            if isinstance(node.get(key), float):
+                node[key] = int(node[key])
+    for request in ("InferParameters", "ChatCompletionRequest", "CompletionRequest"):
+        _cap(schemas[request]["properties"]["seed"], "maximum", MAX_SEED)
 
 
 def _when(field: str, condition: dict, then: dict) -> dict:
@@ -86,16 +94,10 @@ def add_rules_across_fields(schemas: dict) -> None:
 
 
 def _cap(node, key: str, value) -> None:
-    """Set ``key`` (a maximum, a length) on every integer (or array) schema inside ``node``."""
-    if isinstance(node, dict):
-        kind = "array" if key.endswith("Items") else "integer"
-        if node.get("type") == kind:
-            node[key] = min(node.get(key, value), value) if key == "maximum" else value
-        for child in node.values():
-            _cap(child, key, value)
-    elif isinstance(node, list):
-        for child in node:
-            _cap(child, key, value)
+    """Set ``key`` (a maximum, a length) on every integer (or array) schema inside ``node``;
+    a maximum only lowers the one there."""
+    for schema in _schemas_of("array" if key.endswith("Items") else "integer", node):
+        schema[key] = min(schema.get(key, value), value) if key == "maximum" else value
 
 
 def integer_pattern(maximum: int) -> str:

@@ -38,9 +38,9 @@ class AttentionBatch:
 def build_attention_batch(slot_mapping: torch.Tensor, decodes: list[tuple[int, int, list[int]]],
                           prefills: list[tuple[int, int, int, list[int]]], windows: set[int | None],
                           block_size: int, device: torch.device) -> AttentionBatch:
-    """slot_mapping: [N] on the device; decodes: (flat index, context length, block table); prefills: (flat start, n tokens,
-    start position, context slots). ``windows``: the sliding windows of the model's layers
-    (None = full attention)."""
+    """slot_mapping: [N] on the device; decodes: (flat index, context length, block table);
+    prefills: (flat start, n tokens, start position, context slots). ``windows``: the sliding
+    windows of the model's layers (None = full attention)."""
     max_blocks = max((len(t) for _, _, t in decodes), default=1)
     decode_blocks = torch.zeros(len(decodes), max_blocks, dtype=torch.int64)
     lengths = torch.tensor([n for _, n, _ in decodes], dtype=torch.int64)

@@ -10,7 +10,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 @dataclass
 class EngineConfig:
     model: str = "tiny-llama"  # a local Hugging Face model directory, or "tiny-llama"
-    dtype: str = "auto"  # auto: bfloat16 where the hardware has it (engine/loader.py), else float32; float64 for exact parity tests
+    # auto: bfloat16 where the hardware has it (engine/loader.py), else float32; float64 for exact parity tests
+    dtype: str = "auto"
     device: str = "cpu"  # cpu, cuda[:N] or npu[:N]
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV pool size; None: from kv_cache_memory_gb

@@ -140,7 +140,7 @@ class ModelRunner:
             logprobs = self.loaded.model.compute_logits(hidden[start:start + len(chunk)])[:, :vocab].float()
             logprobs = logprobs.log_softmax(-1)  # [t, V]
             chosen = logprobs.gather(-1, torch.tensor(chunk, device=self.device)[:, None]).squeeze(-1).tolist()
-            top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (logprobs[:, :0], logprobs[:, :0].long())
+            top_values, top_ids = logprobs.topk(top_n, dim=-1)  # [t, top_n]; top_n may be 0
             entries += [TokenLogprob(t, v, list(zip(i, tv)))
                         for t, v, i, tv in zip(chunk, chosen, top_ids.tolist(), top_values.tolist())]
         return entries
