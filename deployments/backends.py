@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle
 
+from deployments.tracing import KVTransfer, RequestTrace
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
 
@@ -26,8 +27,11 @@ class ColocatedBackend:
         self.handles = {"LLMServer": llm}
         self._generate = llm.options(stream=True, _by_reference=False).generate
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None
+                     ) -> AsyncIterator[RequestOutput]:
         async for output in _cancel_on_exit(self._generate.remote(request)):
+            if trace:
+                trace.record_prefill(output)
             yield output
 
 
@@ -40,7 +44,9 @@ class PDBackend:
         self.prefill, self.decode = prefill, decode
         self.handles = {"PrefillServer": prefill, "DecodeServer": decode}
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None
+                     ) -> AsyncIterator[RequestOutput]:
+        """P's outputs, then D's; ``trace`` learns each engine's times and the KV fetch."""
         response = self.prefill.prefill.remote(request)
         try:
             reply = await response
@@ -48,11 +54,19 @@ class PDBackend:
             response.cancel()
             raise
         for output in reply.outputs:
+            if trace:
+                trace.record_prefill(output)
             yield output
         if reply.handoff is None:
             return
-        async for output in _cancel_on_exit(self.decode.options(stream=True).decode.remote(request, reply)):
-            yield output
+        async for item in _cancel_on_exit(self.decode.options(stream=True).decode.remote(request, reply)):
+            if isinstance(item, KVTransfer):
+                if trace:
+                    trace.record_kv(item)
+                continue
+            if trace:
+                trace.record_decode(item)
+            yield item
 
 
 async def _cancel_on_exit(responses) -> AsyncIterator[RequestOutput]:

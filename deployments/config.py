@@ -37,6 +37,8 @@ class AppArgs(BaseModel):
         "openai", description="finish_reason values on /v1: OpenAI's (stop, length) or MindIE's")
     max_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get a 413")
     embeddings: bool = Field(True, description="serve /v1/embeddings (all-MiniLM-L6-v2) in its own deployment")
+    traces_exporter: Literal["none", "console"] = Field(
+        "none", description="OpenTelemetry spans of each request: none, or console (the ingress's stdout)")
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":

@@ -82,7 +82,8 @@ class SentenceEmbedder:
         return F.normalize(pooled, p=2, dim=1)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=64)
+# An auxiliary deployment reserves no CPU, so that P and D (one core each) place on a 2-core machine.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
 class EmbeddingServer:
     def __init__(self) -> None:
         self.embedder = SentenceEmbedder()

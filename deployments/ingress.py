@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 import numpy as np
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 from deployments import mindie
 from deployments.backends import ColocatedBackend, PDBackend, merge
 from deployments.config import AppArgs
+from deployments.health import Readiness, describe
 from deployments.errors import (APIError, documented, error_body, error_response, from_value_error, on_api_error,
                                  on_http_error, on_validation_error, root_cause)
 from deployments.metrics import IngressMetrics
@@ -34,7 +35,9 @@ from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, 
 from deployments.openai_stream import StreamWriter
 from deployments.openapi_doc import Served, openapi_schema
 from deployments.servers import ModelInfo
+from deployments.tracing import RequestTrace, SpanWriter, log_line, traced
 from engine.outputs import TIMEOUT, RequestOutput
+from engine.request import GenerationRequest
 
 # /openapi.json and /docs are the Ingress's own routes: the schema carries the served model's limits.
 app = FastAPI(title="pdserve", description="LLM serving with prefill/decode disaggregation on Ray Serve",
@@ -43,7 +46,7 @@ app.add_exception_handler(APIError, on_api_error)
 app.add_exception_handler(RequestValidationError, on_validation_error)
 app.add_exception_handler(StarletteHTTPException, on_http_error)
 
-HEALTH_TIMEOUT_S = 5.0
+ENGINE_WAIT_S = 5.0  # the longest any endpoint waits for a deployment's info before a 503
 SSE = "text/event-stream"
 # What a generation route can answer: JSON, or server-sent events when "stream" is true; 400 bad
 # input, 404 a model not served, 408 a timeout before the first token, 413 a body too large,
@@ -55,6 +58,7 @@ GENERATION = {200: {"content": {"application/json": {}, SSE: {}}},
 @app.middleware("http")
 async def limit_and_count(request: Request, call_next):
     """413 for bodies over the cap; count every request by endpoint, status and priority."""
+    request.state.arrival = time.time()  # the start of the request's trace (deployments/tracing.py)
     limit = request.app.state.max_body_bytes
     declared = request.headers.get("content-length")
     too_big = int(declared) > limit if declared and declared.isdigit() else len(await request.body()) > limit
@@ -117,21 +121,36 @@ class Ingress:
         self.backend = ColocatedBackend(llm) if llm is not None else PDBackend(prefill, decode)
         self.embedder = embedder
         self.metrics = IngressMetrics()
+        self.spans = SpanWriter(args.traces_exporter) if args.traces_exporter != "none" else None
         app.state.metrics = self.metrics
         app.state.max_body_bytes = args.max_body_bytes
         self._info: ModelInfo | None = None
         self._frontend: OpenAIFrontend | None = None
         self._openapi: dict | None = None
+        self.readiness = Readiness(self.backend, embedder)
+        self._watcher = asyncio.get_running_loop().create_task(self.readiness.watch_start())
 
     # ---- the engines -------------------------------------------------------------------
 
     async def model_info(self) -> ModelInfo:
+        """What the engines serve; a 503 within ENGINE_WAIT_S while one of them does not answer."""
         if self._info is None:
-            infos = await asyncio.gather(*(h.info.remote() for h in self.backend.handles.values()))
+            try:
+                infos = await asyncio.wait_for(asyncio.gather(*(h.info.remote() for h in self.backend.handles.values())),
+                                               ENGINE_WAIT_S)
+            except Exception as error:
+                raise APIError(503, f"the engines are not ready ({describe(error)}); GET /health says which",
+                               code="not_ready") from None
             if len({i.model_id for i in infos}) != 1:
                 raise APIError(503, "the prefill and decode deployments serve different models")
             self._info = infos[0]
         return self._info
+
+    async def embedder_name(self) -> str:
+        try:
+            return await asyncio.wait_for(self.embedder.info.remote(), ENGINE_WAIT_S)
+        except Exception as error:
+            raise APIError(503, f"the embeddings deployment is not ready ({describe(error)})", code="not_ready") from None
 
     async def frontend(self) -> OpenAIFrontend:
         if self._frontend is None:
@@ -145,10 +164,14 @@ class Ingress:
         """``served_model_name``, else the last part of ``model`` ("tiny-llama", "Qwen3-0.6B")."""
         return self.args.served_model_name or self.args.model.rstrip("/").rsplit("/", 1)[-1]
 
-    async def start(self, request, arrival: float) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+    async def start(self, request: GenerationRequest, http: Request, dialect: str
+                    ) -> tuple[RequestOutput, AsyncIterator[RequestOutput], RequestTrace]:
         """Send a request to the engines and wait for its first output: errors and a deadline
-        that passes before the first token become HTTP errors before any byte is sent."""
-        stream = self.metrics.timed(self.backend.stream(request), arrival)
+        that passes before the first token become HTTP errors before any byte is sent. The
+        request's trace ends with its stream."""
+        trace = RequestTrace(http.headers.get("x-request-id") or uuid.uuid4().hex, request.request_id, dialect,
+                             request.priority, len(request.prompt_token_ids), http.state.arrival)
+        stream = traced(self.backend.stream(request, trace), trace, self.end_trace)
         try:
             first = await stream.__anext__()
         except Exception as error:
@@ -159,20 +182,26 @@ class Ingress:
             raise
         if first.finished and first.finish_reason == TIMEOUT and not first.new_token_ids:
             raise APIError(408, "the request's timeout passed before its first token", "timeout", "timeout")
-        return first, stream
+        return first, stream, trace
 
-    async def start_all(self, choices: list[Choice], arrival: float) -> list[AsyncIterator[RequestOutput]]:
+    def end_trace(self, trace: RequestTrace, outcome: str) -> None:
+        self.metrics.observe(trace)
+        log_line(trace, outcome)
+        if self.spans is not None:
+            self.spans.write(trace, outcome)
+
+    async def start_all(self, choices: list[Choice], http: Request) -> list[AsyncIterator[RequestOutput]]:
         """Start one request per prompt (its n choices share it); if one fails, cancel the others
         and raise its error."""
         requests = list({c.prompt_index: c.request for c in choices}.values())
-        started = await asyncio.gather(*(self.start(r, arrival) for r in requests), return_exceptions=True)
+        started = await asyncio.gather(*(self.start(r, http, "openai") for r in requests), return_exceptions=True)
         errors = [s for s in started if isinstance(s, BaseException)]
         if errors:
             for s in started:
                 if not isinstance(s, BaseException):
                     await s[1].aclose()
             raise errors[0]
-        return [prepend_first(first, stream) for first, stream in started]
+        return [prepend_first(first, stream) for first, stream, _ in started]
 
     # ---- MindIE ------------------------------------------------------------------------
 
@@ -180,15 +209,14 @@ class Ingress:
     async def infer_token(self, body: mindie.InferTokenRequest, http: Request):
         http.state.priority = body.parameters.priority
         info = await self.model_info()
-        arrival = time.time()
         try:
             request = mindie.to_generation_request(body, f"infer-{uuid.uuid4().hex}",
-                                                   arrival + body.parameters.timeout, info.vocab_size)
+                                                   http.state.arrival + body.parameters.timeout, info.vocab_size)
         except ValueError as error:
             raise from_value_error(error) from None
-        first, stream = await self.start(request, arrival)
+        first, stream, trace = await self.start(request, http, "mindie")
         if body.stream:
-            return StreamingResponse(self._infer_token_events(first, stream, body, arrival), media_type=SSE)
+            return StreamingResponse(self._infer_token_events(first, stream, body, trace), media_type=SSE)
         try:
             outputs = [first] + [output async for output in stream]
         finally:
@@ -196,14 +224,12 @@ class Ingress:
         return mindie.text_response(outputs, body)
 
     async def _infer_token_events(self, first: RequestOutput, stream: AsyncIterator[RequestOutput],
-                                  body: mindie.InferTokenRequest, arrival: float) -> AsyncIterator[str]:
+                                  body: mindie.InferTokenRequest, trace: RequestTrace) -> AsyncIterator[str]:
+        """prefill_time: arrival to the first token; decode_time: since the previous token (the trace's clock)."""
         try:
-            yield mindie.stream_event(first, body, True, (time.time() - arrival) * 1000.0)
-            last = time.perf_counter()
+            yield mindie.stream_event(first, body, True, trace.phases()["ttft"] * 1000.0)
             async for output in stream:
-                now = time.perf_counter()
-                yield mindie.stream_event(output, body, False, (now - last) * 1000.0)
-                last = now
+                yield mindie.stream_event(output, body, False, trace.last_gap * 1000.0)
         except Exception as error:  # the stream has begun: end it with an error event
             yield f"data: {error_event(root_cause(error))}\n\n"
         finally:
@@ -224,11 +250,10 @@ class Ingress:
         then stream chunks or collect the whole response."""
         http.state.priority = body.priority
         front = await self.frontend()
-        arrival = time.time()
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         make_choices = front.chat_choices if chat else front.completion_choices
-        choices = make_choices(body, response_id, arrival + body.timeout)
-        streams = await self.start_all(choices, arrival)
+        choices = make_choices(body, response_id, http.state.arrival + body.timeout)
+        streams = await self.start_all(choices, http)
         created = now_seconds()
         if not body.stream:
             await collect_choices(streams, choices, fail_on_timeout=chat or body.error_behavior == "error")
@@ -259,7 +284,7 @@ class Ingress:
     async def embeddings(self, body: EmbeddingRequest):
         if self.embedder is None:
             raise APIError(404, "embeddings are not served by this application", "model", "model_not_found")
-        name = await self.embedder.info.remote()
+        name = await self.embedder_name()
         if body.model is not None and body.model != name:
             raise APIError(404, f"model: {body.model!r} is not served here; embeddings are {name!r}", "model",
                            "model_not_found")
@@ -277,15 +302,13 @@ class Ingress:
 
     # ---- operations --------------------------------------------------------------------
 
-    @app.get("/health", responses=documented(503))
+    @app.get("/health", responses={503: {"description": "not ready: which deployment, and why"}})
     async def health(self):
-        """200 when every engine deployment answers; 503 otherwise."""
-        handles = [*self.backend.handles.values(), *([self.embedder] if self.embedder else [])]
-        try:
-            await asyncio.wait_for(asyncio.gather(*(h.info.remote() for h in handles)), HEALTH_TIMEOUT_S)
-        except Exception as error:
-            return error_response(503, f"engines not ready: {type(root_cause(error)).__name__}", code="not_ready")
-        return {"status": "ok"}
+        """200 once a canary request went through every engine deployment (P, the KV hand-off
+        and D; or the colocated engine) within the last seconds; else 503 naming each deployment
+        that is missing, pending or failing (deployments/health.py)."""
+        ready, body = await self.readiness.check()
+        return body if ready else JSONResponse(body, status_code=503)
 
     @app.get("/v1/models", responses=documented(503))
     async def models(self):
@@ -305,7 +328,7 @@ class Ingress:
                   "max_model_len": info.max_model_len, "dtype": info.dtype,
                   "enable_prefix_caching": info.enable_prefix_caching}]
         if self.embedder is not None:
-            cards.append({"id": await self.embedder.info.remote(), "object": "model", "created": 0,
+            cards.append({"id": await self.embedder_name(), "object": "model", "created": 0,
                           "owned_by": "pdserve"})
         return cards
 
@@ -314,12 +337,12 @@ class Ingress:
         """The schema with this deployment's limits (without them while the engines are not ready)."""
         if self._openapi is None:
             try:
-                info = await asyncio.wait_for(self.model_info(), HEALTH_TIMEOUT_S)
+                info = await asyncio.wait_for(self.model_info(), ENGINE_WAIT_S)
                 served = Served(self.served_model_name(info), info)
                 if self.embedder is not None:
                     served.embedding_name, served.embedding_vocab = await asyncio.wait_for(
                         asyncio.gather(self.embedder.info.remote(), self.embedder.vocab_size.remote()),
-                        HEALTH_TIMEOUT_S)
+                        ENGINE_WAIT_S)
             except Exception:  # not ready: the schema without the model's limits, not cached
                 return openapi_schema(app, None)
             self._openapi = openapi_schema(app, served)

@@ -1,7 +1,9 @@
 """The ingress's Prometheus metrics (GET /metrics).
 
-Requests by endpoint, status and priority; time to first token and time per output token
-as the ingress sees them; and, read from the engine deployments at scrape time, queue depth
+Requests by endpoint, status and priority; per engine request, once each, the phase times
+of deployments/tracing.py (queue by stage, prefill, decode, KV transfer seconds and bytes,
+time to first token, time per output token, end to end); and, read from the engine
+deployments at scrape time, queue depth
 by priority, KV blocks used / cached / free and the usage fraction, prefix-cache queries and
 hits (tokens, as vLLM counts them), requests ended by finish reason, and KV bytes moved
 from P to D. Deployment figures come from the replica a handle call reaches (one per
@@ -12,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.outputs import RequestOutput
+from deployments.tracing import RequestTrace
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+BYTES_BUCKETS = tuple(4 ** k * 1024 for k in range(1, 12))  # 4 KiB .. 4 GiB
 
 
 class IngressMetrics:
@@ -30,6 +32,19 @@ class IngressMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("pdserve_time_per_output_token_seconds", "mean time per token after the first",
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "arrival at the ingress to the request's end",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("pdserve_request_queue_time_seconds", "waiting: ingress (to the engine), "
+                                    "prefill (P or colocated: to scheduled), decode (D: to scheduled)", ["stage"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("pdserve_request_prefill_time_seconds", "scheduled to the first token",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("pdserve_request_decode_time_seconds", "first token to last token",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "D's fetch of a request's KV from P",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_bytes_hist = Histogram("pdserve_kv_transfer_bytes", "bytes of a request's KV fetched by D",
+                                       buckets=BYTES_BUCKETS, registry=r)
         self.queue_depth = Gauge("pdserve_queue_depth", "requests waiting in an engine", ["deployment", "priority"],
                                  registry=r)
         self.running = Gauge("pdserve_running_requests", "requests running in an engine", ["deployment"], registry=r)
@@ -47,21 +62,21 @@ class IngressMetrics:
         self.kv_bytes = Gauge("pdserve_kv_bytes_moved", "KV bytes moved from P to D", registry=r)
         self.kv_transfers = Gauge("pdserve_kv_transfers", "KV transfers from P to D", registry=r)
 
-    async def timed(self, stream: AsyncIterator[RequestOutput], arrival: float) -> AsyncIterator[RequestOutput]:
-        """Pass a request's outputs through, recording its TTFT and TPOT."""
-        first = None
-        count = 0
-        try:
-            async for output in stream:
-                count += len(output.new_token_ids)
-                if first is None and output.new_token_ids:
-                    first = time.time()
-                    self.ttft.observe(first - arrival)
-                if output.finished and first is not None and count > 1:
-                    self.tpot.observe((time.time() - first) / (count - 1))
-                yield output
-        finally:
-            await stream.aclose()
+    def observe(self, trace: RequestTrace) -> None:
+        """An engine request has ended: each phase it went through, once."""
+        phases = trace.phases()
+        for stage in ("ingress", "prefill", "decode"):
+            if f"queue_{stage}" in phases:
+                self.queue_time.labels(stage).observe(phases[f"queue_{stage}"])
+        for name, histogram in (("prefill", self.prefill_time), ("decode", self.decode_time),
+                                ("kv_transfer", self.kv_seconds), ("ttft", self.ttft)):
+            if name in phases:
+                histogram.observe(phases[name])
+        if trace.kv is not None:
+            self.kv_bytes_hist.observe(trace.kv.nbytes)
+        if "decode" in phases:
+            self.tpot.observe(phases["decode"] / (trace.output_tokens - 1))
+        self.e2e.observe(time.time() - trace.arrival)
 
     async def render(self, handles: dict) -> bytes:
         """Refresh the engine gauges from the deployments, then the text exposition."""

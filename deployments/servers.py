@@ -13,8 +13,8 @@ from typing import AsyncIterator
 
 import ray
 from ray import serve
-from ray.util import metrics
 
+from deployments.tracing import KVTransfer
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.kv_transfer import KVPayload
@@ -97,27 +97,25 @@ class PrefillServer(_EngineServer):
 class DecodeServer(_EngineServer):
     def __init__(self, engine_config: EngineConfig) -> None:
         super().__init__(engine_config)
-        self._kv_bytes = metrics.Counter("pdserve_kv_transfer_bytes_total", "KV bytes imported from prefill")
-        self._kv_ms = metrics.Histogram("pdserve_kv_transfer_ms", "milliseconds to fetch one request's KV",
-                                        boundaries=[0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000])
         self.transfers = {"count": 0, "bytes": 0, "seconds": 0.0}
 
-    async def decode(self, request: GenerationRequest, reply: PrefillReply) -> AsyncIterator[RequestOutput]:
-        """Fetch P's KV from the object store, import it, and stream the tokens after the first."""
-        start = time.perf_counter()
+    async def decode(self, request: GenerationRequest, reply: PrefillReply
+                     ) -> AsyncIterator[KVTransfer | RequestOutput]:
+        """Fetch P's KV from the object store, import it, and stream the tokens after the first.
+        Yields the fetch's KVTransfer first (for the request's trace), then the outputs."""
+        start = time.time()
         data = await reply.kv_ref[0]  # zero-copy for numpy when the object is on this node
-        seconds = time.perf_counter() - start
-        self._record_transfer(data.nbytes, seconds)
+        transfer = KVTransfer(data.nbytes, start, time.time())
+        self._record_transfer(transfer)
+        yield transfer
         prefill = replace(reply.handoff, kv=KVPayload(reply.handoff.kv.meta, data))
         async for output in self.engine.decode(request, prefill):
             yield output
 
-    def _record_transfer(self, nbytes: int, seconds: float) -> None:
-        self._kv_bytes.inc(nbytes)
-        self._kv_ms.observe(seconds * 1000.0)
+    def _record_transfer(self, transfer: KVTransfer) -> None:
         self.transfers["count"] += 1
-        self.transfers["bytes"] += nbytes
-        self.transfers["seconds"] += seconds
+        self.transfers["bytes"] += transfer.nbytes
+        self.transfers["seconds"] += transfer.end - transfer.start
 
     def kv_transfers(self) -> dict:
         """Transfers into this replica so far: count, bytes, seconds."""

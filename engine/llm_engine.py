@@ -261,7 +261,8 @@ class LLMEngine:
                 request_id=seq.request_id, new_token_ids=[token], new_text=text, num_output_tokens=1,
                 finished=reason is not None, finish_reason=reason, seed=choice.seed,
                 logprobs=[logprob] if logprob else [], cumulative_logprob=logprob.logprob if logprob else None,
-                first_token_time=seq.first_token_time, arrival_time=seq.arrival_time, index=choice.index,
+                first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
+                scheduled_time=seq.scheduled_time, index=choice.index,
                 prompt_logprobs=seq.prompt_logprobs)
             if output.finished:
                 output.new_text += detok.finish()
@@ -299,7 +300,8 @@ class LLMEngine:
         text = self.tokenizer.decode(tokens, skip_special_tokens=seq.params.skip_special_tokens) if tokens else ""
         return RequestOutput(request_id=seq.request_id, new_token_ids=[], new_text="",
                              num_output_tokens=len(tokens), finished=True, finish_reason=reason, seed=choice.seed,
-                             first_token_time=seq.first_token_time, arrival_time=seq.arrival_time, error=error,
+                             first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
+                             scheduled_time=seq.scheduled_time, error=error,
                              output_token_ids=tokens, text=text, index=choice.index)
 
     def _release(self, seq: Sequence) -> None:
@@ -317,7 +319,8 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=tokens, new_text=text, num_output_tokens=seq.num_output_tokens,
             finished=finished, finish_reason=seq.finish_reason, seed=seq.seed, logprobs=logprobs,
             cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-            first_token_time=seq.first_token_time, arrival_time=seq.arrival_time, index=seq.index,
+            first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
+            scheduled_time=seq.scheduled_time, index=seq.index,
             prompt_logprobs=seq.prompt_logprobs if first_token else None)
 
     # ---- synchronous helpers (tests, benchmarks, the CLI) ------------------------------

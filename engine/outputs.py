@@ -59,8 +59,11 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float | None = None
     prefill: PrefillResult | None = None  # PREFILL mode: set on the first-token outputs of the choices going to D
+    # The engine's clock (time.time()): when the request arrived, was first scheduled, and made
+    # its first token (DECODE mode: the first token is P's, so first_token_time = arrival_time).
     first_token_time: float | None = None
     arrival_time: float | None = None
+    scheduled_time: float | None = None
     error: str | None = None  # set when the engine failed this request
     # On the last output only: every output token (P's first included) and the whole text.
     output_token_ids: list[int] | None = None

@@ -74,6 +74,7 @@ class Sequence:
         self.mode = mode
         self.arrival_index = arrival_index  # FIFO order within a priority level
         self.arrival_time = time.time()
+        self.scheduled_time: float | None = None  # first admitted to the running batch
         self.first_token_time: float | None = None
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.token_ids = list(request.prompt_token_ids)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import heapq
+import time
 
 from engine.block_manager import BlockManager
 from engine.request import PendingChoice, Sequence, SequenceStatus
@@ -128,6 +129,8 @@ class Scheduler:
                 batch.kv_imports.append((seq, hit_tokens))
             seq.num_computed_tokens = computed
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_time is None:  # the end of its queue time (a preempted one keeps its first)
+                seq.scheduled_time = time.time()
             self.running.append(seq)
             batch.entries.append((seq, n))
             budget -= n

@@ -1,0 +1,141 @@
+"""Readiness that tells the truth: a canary request through the engines, and each deployment's state.
+
+``/health`` is 200 only when a canary succeeded within the last ``FRESH_S`` seconds: a short
+prompt prefilled on P, its KV fetched and imported by D, a token decoded there (colocated: one
+prompt through the engine). Otherwise it runs one canary (one at a time; concurrent health
+checks share its result), bounded by ``CANARY_TIMEOUT_S``, and on failure answers 503 naming
+each deployment that is missing, pending or failing, and why, from Ray Serve's own status
+(which names the resources a replica that cannot be placed asked for).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+import logging
+import time
+import uuid
+
+from ray import serve
+
+from deployments.errors import root_cause
+from engine.request import PRIORITY_MIN, GenerationRequest
+from sampling.params import SamplingParams
+
+logger = logging.getLogger("ray.serve." + __name__)  # Serve's handlers add the request id to each line
+
+FRESH_S = 10.0  # a canary younger than this answers /health without a new one
+CANARY_TIMEOUT_S = 5.0
+STATUS_TIMEOUT_S = 2.0
+CANARY_PROMPT_TOKENS = 32  # two KV blocks at the default block size: D must hold a short prompt
+# Ray Serve's deployment states, as /health names them.
+STATES = {"HEALTHY": "healthy", "UPSCALING": "healthy", "DOWNSCALING": "healthy", "UPDATING": "pending",
+          "UNHEALTHY": "failing", "DEPLOY_FAILED": "failing"}
+
+
+@dataclass
+class CanaryResult:
+    ok: bool
+    at: float  # time.monotonic() when it ended
+    deployment: str | None = None  # where it failed
+    reason: str | None = None
+
+
+def canary_request(timeout_s: float) -> GenerationRequest:
+    """Two greedy tokens: the first sampled on P, the second decoded on D. Token ids 1..32 are
+    in every vocabulary; asking the engines for theirs first would be one more call that can hang."""
+    prompt = list(range(1, CANARY_PROMPT_TOKENS + 1))
+    return GenerationRequest(f"canary-{uuid.uuid4().hex}", prompt,
+                             SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True),
+                             priority=PRIORITY_MIN, deadline=time.time() + timeout_s)
+
+
+def describe(error: BaseException) -> str:
+    """An error's type and, for our own checks (ValueError), its message; never Ray's internals."""
+    cause = root_cause(error)
+    if isinstance(cause, (asyncio.TimeoutError, TimeoutError)):
+        return "no answer in time"
+    return f"{type(cause).__name__}: {cause}" if isinstance(cause, ValueError) else type(cause).__name__
+
+
+class Readiness:
+    """The canary and the deployments' states behind ``/health``.
+
+    ``backend`` is the ingress's ColocatedBackend or PDBackend; its ``handles`` name the engine
+    deployments in the order a request visits them."""
+
+    def __init__(self, backend, embedder) -> None:
+        self.backend, self.embedder = backend, embedder
+        self.expected = [*backend.handles, *(["EmbeddingServer"] if embedder is not None else [])]
+        self.last: CanaryResult | None = None
+        self._lock = asyncio.Lock()
+
+    async def check(self) -> tuple[bool, dict]:
+        """(ready, body). Runs a canary unless a recent one succeeded."""
+        async with self._lock:  # one canary at a time; a waiter reads the result it left
+            if not (self.last and self.last.ok and time.monotonic() - self.last.at < FRESH_S):
+                self.last = await self.canary()
+        if self.last.ok:
+            return True, {"status": "ok", "canary_age_s": round(time.monotonic() - self.last.at, 3)}
+        deployments = await self.deployment_states()
+        if self.last.deployment and deployments.get(self.last.deployment, {}).get("status") == "healthy":
+            deployments[self.last.deployment] = {"status": "failing", "reason": self.last.reason}
+        return False, {"status": "unavailable", "canary": {"deployment": self.last.deployment,
+                                                           "reason": self.last.reason},
+                       "deployments": deployments}
+
+    async def canary(self) -> CanaryResult:
+        """One short request through every engine deployment, and the embedder's info call."""
+        names = list(self.backend.handles)
+        reached = 0  # outputs seen: P answered once the first token is back
+        try:
+            async with asyncio.timeout(CANARY_TIMEOUT_S):
+                outputs = []
+                async for output in self.backend.stream(canary_request(CANARY_TIMEOUT_S)):
+                    reached += 1
+                    if output.error:
+                        raise RuntimeError(output.error)
+                    outputs.append(output)
+                tokens = sum(len(o.new_token_ids) for o in outputs)
+                if tokens != 2:
+                    raise RuntimeError(f"the canary made {tokens} tokens, not 2")
+        except Exception as error:
+            where = names[min(reached, len(names) - 1)]
+            logger.warning("health canary failed at %s: %s", where, describe(error))
+            return CanaryResult(False, time.monotonic(), where, describe(error))
+        if self.embedder is not None:
+            try:
+                await asyncio.wait_for(self.embedder.info.remote(), CANARY_TIMEOUT_S)
+            except Exception as error:
+                return CanaryResult(False, time.monotonic(), "EmbeddingServer", describe(error))
+        return CanaryResult(True, time.monotonic())
+
+    async def deployment_states(self) -> dict[str, dict]:
+        """Each deployment of this application but the ingress: its state and, if not healthy, why."""
+        try:
+            app = serve.get_replica_context().app_name
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
+            deployments = status.applications[app].deployments
+        except Exception as error:
+            return {name: {"status": "unknown", "reason": f"Serve's status: {describe(error)}"}
+                    for name in self.expected}
+        states = {name: {"status": "missing", "reason": "not deployed"} for name in self.expected}
+        for name, info in deployments.items():
+            if name == "Ingress":
+                continue
+            state = STATES.get(str(info.status).rsplit(".", 1)[-1], "unknown")
+            states[name] = {"status": state} if state == "healthy" else {"status": state,
+                                                                         "reason": info.message or "starting"}
+        return states
+
+    async def watch_start(self, interval_s: float = 10.0, limit_s: float = 3600.0) -> None:
+        """At start-up, log each deployment that is not yet running, and why, until all are."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            waiting = {n: s for n, s in (await self.deployment_states()).items() if s["status"] != "healthy"}
+            if not waiting:
+                logger.info("every deployment is running: %s", ", ".join(self.expected))
+                return
+            for name, state in waiting.items():
+                logger.warning("%s is %s: %s", name, state["status"], state["reason"])
+            await asyncio.sleep(interval_s)
