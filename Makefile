@@ -4,17 +4,31 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install serve test bench bench-vllm clean
+.PHONY: install lock serve test bench bench-vllm clean
 
-$(STAMP): pyproject.toml Makefile
+# The install is locked: requirements.lock pins every package but torch (`make lock` remakes it
+# from pyproject.toml's ranges); pip installs those exact versions without resolving anything.
+$(STAMP): pyproject.toml requirements.lock Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: a looser range would pull the CUDA build (several GB).
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	$(PY) -m pip install --quiet --no-deps -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip check
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Re-resolve pyproject.toml's ranges in a throwaway venv and pin the result.
+lock:
+	rm -rf .venv-lock && python3 -m venv .venv-lock
+	.venv-lock/bin/python -m pip install --quiet --upgrade pip
+	.venv-lock/bin/python -m pip install --quiet $(TORCH)
+	.venv-lock/bin/python -m pip install --quiet -e ".[test,bench]"
+	( echo "# pip freeze of pyproject.toml's [test,bench] install; torch ($(TORCH)) is installed first. make lock"; \
+	  .venv-lock/bin/python -m pip freeze --exclude-editable | grep -v '^torch==' ) > requirements.lock
+	rm -rf .venv-lock
 
 # Ray Serve on 127.0.0.1:8000: ingress + prefill + decode of the embedded tiny-llama.
 serve: install
