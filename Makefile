@@ -3,18 +3,19 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
+UV     := uv==0.13.9
 
 .PHONY: install lock serve test bench bench-vllm clean
 
 # The install is locked: requirements.lock pins every package but torch (`make lock` remakes it
-# from pyproject.toml's ranges); pip installs those exact versions without resolving anything.
+# from pyproject.toml's ranges). uv installs those exact versions, in parallel, resolving nothing.
 $(STAMP): pyproject.toml requirements.lock Makefile
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	# torch first, pinned: a looser range would pull the CUDA build (several GB).
-	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet --no-deps -r requirements.lock
-	$(PY) -m pip install --quiet --no-deps -e .
+	# torch first, pinned, by pip (it finds the machine's CPU wheel; a looser range, or uv,
+	# would pull the CUDA build of several GB).
+	$(PY) -m pip install --quiet $(TORCH) $(UV)
+	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -r requirements.lock
+	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -e .
 	$(PY) -m pip check
 	touch $(STAMP)
 
