@@ -26,9 +26,9 @@ from transformers import AutoTokenizer
 from deployments import mindie
 from deployments.backends import ColocatedBackend, PDBackend, merge
 from deployments.config import AppArgs
-from deployments.health import Readiness, describe
 from deployments.errors import (APIError, documented, error_body, error_response, from_value_error, on_api_error,
                                  on_http_error, on_validation_error, root_cause)
+from deployments.health import Readiness, describe
 from deployments.metrics import IngressMetrics
 from deployments.openai_api import Choice, OpenAIFrontend, now_seconds
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -136,8 +136,8 @@ class Ingress:
         """What the engines serve; a 503 within ENGINE_WAIT_S while one of them does not answer."""
         if self._info is None:
             try:
-                infos = await asyncio.wait_for(asyncio.gather(*(h.info.remote() for h in self.backend.handles.values())),
-                                               ENGINE_WAIT_S)
+                calls = [h.info.remote() for h in self.backend.handles.values()]
+                infos = await asyncio.wait_for(asyncio.gather(*calls), ENGINE_WAIT_S)
             except Exception as error:
                 raise APIError(503, f"the engines are not ready ({describe(error)}); GET /health says which",
                                code="not_ready") from None
@@ -150,7 +150,8 @@ class Ingress:
         try:
             return await asyncio.wait_for(self.embedder.info.remote(), ENGINE_WAIT_S)
         except Exception as error:
-            raise APIError(503, f"the embeddings deployment is not ready ({describe(error)})", code="not_ready") from None
+            raise APIError(503, f"the embeddings deployment is not ready ({describe(error)})",
+                           code="not_ready") from None
 
     async def frontend(self) -> OpenAIFrontend:
         if self._frontend is None:
@@ -181,6 +182,7 @@ class Ingress:
                 raise from_value_error(cause) from None
             raise
         if first.finished and first.finish_reason == TIMEOUT and not first.new_token_ids:
+            await stream.aclose()
             raise APIError(408, "the request's timeout passed before its first token", "timeout", "timeout")
         return first, stream, trace
 
@@ -227,7 +229,7 @@ class Ingress:
                                   body: mindie.InferTokenRequest, trace: RequestTrace) -> AsyncIterator[str]:
         """prefill_time: arrival to the first token; decode_time: since the previous token (the trace's clock)."""
         try:
-            yield mindie.stream_event(first, body, True, trace.phases()["ttft"] * 1000.0)
+            yield mindie.stream_event(first, body, True, trace.phases().get("ttft", 0.0) * 1000.0)
             async for output in stream:
                 yield mindie.stream_event(output, body, False, trace.last_gap * 1000.0)
         except Exception as error:  # the stream has begun: end it with an error event

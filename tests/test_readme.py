@@ -85,7 +85,8 @@ def check_both_dialects(model_name: str) -> None:
 
 def test_the_readme_has_both_real_model_lines():
     lines = readme_serve_lines()
-    assert [line.split()[2] for line in lines] == ["deployments.app:build_pd_app", "deployments.app:build_colocated_app"]
+    builders = [line.split()[2] for line in lines]
+    assert builders == ["deployments.app:build_pd_app", "deployments.app:build_colocated_app"]
     assert all(EXAMPLE_MODEL in line for line in lines)
 
 
