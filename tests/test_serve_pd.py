@@ -78,7 +78,7 @@ def test_generated_tokens_follow_the_pd_rule(base_url):
 
 
 def test_first_token_finishing_at_p_never_reaches_d(base_url):
-    events = infer(base_url, "pd", PROMPTS[0], stream=True, max_new_tokens=1)
+    events = infer(base_url, "pd", PROMPTS[0], stream=True, max_new_tokens=1, ignore_eos=True)
     assert len(events) == 1 and events[0]["prefill_time"] is not None
     assert events[0]["details"]["generated_tokens"] == 1 and events[0]["details"]["finish_reason"] == "length"
 
