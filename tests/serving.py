@@ -53,3 +53,10 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
             return True
         time.sleep(interval_s)
     return False
+
+
+def element_size(dtype: str) -> int:
+    """Bytes per element of a dtype named as the engine reports it ("float32", "bfloat16")."""
+    import torch
+
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()

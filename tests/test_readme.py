@@ -41,8 +41,10 @@ def running(command: list[str], log: Path):
             probe.get(URL)
             pytest.fail(f"something already listens on {URL}; stop it first")
     with open(log, "w") as output:
+        # SIGINT as a terminal delivers it: a shell that started the tests in the background left
+        # it ignored, and `serve run` would then never hear the stop (and be killed a minute later).
         process = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, stdout=output,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, preexec_fn=default_sigint)
     try:
         yield process
     finally:
@@ -53,6 +55,10 @@ def running(command: list[str], log: Path):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
         assert wait_until(lambda: not listening(), 60), "the server still answers after it was stopped"
+
+
+def default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def listening() -> bool:

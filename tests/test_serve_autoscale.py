@@ -1,4 +1,4 @@
-"""D scales out under a bounded burst and back to its minimum after it, with no request failing."""
+"""D scales out under bounded bursts and back to its minimum after it, with no request failing."""
 
 import asyncio
 
@@ -12,6 +12,7 @@ from tests.serving import serve_session, sse_events, wait_until
 pytestmark = pytest.mark.slow
 
 BURST = 16
+WAVES = 6
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "metrics_interval_s": 0.5,
                "look_back_period_s": 1.0, "upscale_delay_s": 0.5, "downscale_delay_s": 3.0}
 
@@ -41,16 +42,22 @@ def test_decode_scales_out_and_back():
                 peak = max(peak, running_replicas("DecodeServer"))
                 await asyncio.sleep(0.25)
 
-        async def burst():
+        async def load():
+            """Bursts until D has scaled out (a new replica takes as long to start as the machine
+            needs, so the load is held until then rather than for a fixed time), at most WAVES."""
             done = asyncio.Event()
             watcher = asyncio.create_task(watch(done))
+            results = []
             async with httpx.AsyncClient(timeout=300) as client:
-                results = await asyncio.gather(*(one(client, i) for i in range(BURST)))
+                for _ in range(WAVES):
+                    results += await asyncio.gather(*(one(client, i) for i in range(BURST)))
+                    if peak >= 2:
+                        break
             done.set()
             await watcher
             return results
 
-        results = asyncio.run(burst())
+        results = asyncio.run(load())
         assert all(status == 200 for status, _ in results)
         assert all(events[-1]["details"]["generated_tokens"] == 600 for _, events in results)
         assert peak >= 2, "the burst should have scaled D out"

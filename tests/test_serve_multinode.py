@@ -7,7 +7,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from deployments.app import colocated_app, pd_app
-from tests.serving import serve_session, sse_events
+from tests.serving import element_size, serve_session, sse_events
 
 pytestmark = pytest.mark.slow
 
@@ -45,5 +45,5 @@ def test_p_and_d_on_their_nodes_and_output_matches_colocated(cluster):
             tokens[app] = [e["token"]["id"] for e in sse_events(response)]
         assert tokens["pd"] == tokens["co"] and len(tokens["pd"]) == 16
         transfers = serve.get_deployment_handle("DecodeServer", app_name="pd").kv_transfers.remote().result()
-        assert transfers["count"] == 1 and transfers["bytes"] == 4 * 2 * 60 * 4 * 32 * 4
+        assert transfers["count"] == 1 and transfers["bytes"] == 4 * 2 * 60 * 4 * 32 * element_size(d_info.dtype)
         assert len(ray.nodes()) == 3

@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import serve_session, sse_events, wait_until
+from tests.serving import element_size, serve_session, sse_events, wait_until
 
 PROMPTS = [[5, 6, 7, 8], list(range(10, 60)), [300, 301], list(range(100, 131))]
 CAP = 5  # max_iter_times of the "cap" apps
@@ -120,8 +120,8 @@ def test_kv_transfers_are_measured(base_url):
     after = handle.kv_transfers.remote().result()
     info = handle.info.remote().result()
     assert after["count"] == before["count"] + 1
-    # tiny-llama: 4 layers x (k, v) x 50 tokens x 4 KV heads x 32 dims x 4 bytes
-    assert after["bytes"] - before["bytes"] == 4 * 2 * len(PROMPTS[1]) * 4 * 32 * 4
+    # tiny-llama: 4 layers x (k, v) x 50 tokens x 4 KV heads x 32 dims x the dtype's bytes ("auto": the CPU's)
+    assert after["bytes"] - before["bytes"] == 4 * 2 * len(PROMPTS[1]) * 4 * 32 * element_size(info.dtype)
     assert after["seconds"] > before["seconds"] and info.model_id
 
 
