@@ -322,8 +322,8 @@ def test_lm_eval_local_completions_scores_equal_transformers(base_url, tmp_path,
 def test_aiperf_profile_succeeds_and_reports_latencies(base_url, tmp_path, endpoint):
     requests = 8
     command = [str(Path(sys.executable).parent / "aiperf"), "profile", "--model", MODEL, "--url", base_url,
-               "--endpoint-type", endpoint, "--streaming", "--request-count", str(requests), "--concurrency", "2", "--tokenizer",
-               str(ensure_tiny_model()), "--prompt-input-tokens-mean", "20", "--prompt-output-tokens-mean", "8",
+               "--endpoint-type", endpoint, "--streaming", "--request-count", str(requests), "--concurrency", "2",
+               "--tokenizer", str(ensure_tiny_model()), "--prompt-input-tokens-mean", "20", "--prompt-output-tokens-mean", "8",
                "--output-artifact-dir", str(tmp_path), "--no-auto-plot", "--random-seed", "1",
                # A random model may sample EOS first: an answer with no text, which aiperf counts as an error.
                "--extra-inputs", "ignore_eos:true"]

@@ -28,7 +28,7 @@ def base_url():
     with serve_session() as url:
         common = {"torch_threads": 1, "max_iter_times": CAP}
         serve.run(pd_app(common), name="pd", route_prefix="/pd")
-        serve.run(colocated_app(common), name="co", route_prefix="/co")
+        serve.run(colocated_app({**common, "embeddings": False}), name="co", route_prefix="/co")  # pd embeds
         yield url
 
 

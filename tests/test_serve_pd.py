@@ -18,7 +18,7 @@ CAP = 5  # max_iter_times of the "cap" apps
 @pytest.fixture(scope="module")
 def base_url():
     with serve_session() as url:
-        common = {"torch_threads": 1}
+        common = {"torch_threads": 1, "embeddings": False}  # no test here embeds: four replicas fewer to start
         serve.run(pd_app(common), name="pd", route_prefix="/pd")
         serve.run(colocated_app(common), name="co", route_prefix="/co")
         serve.run(pd_app({**common, "max_iter_times": CAP}), name="pdcap", route_prefix="/pdcap")
