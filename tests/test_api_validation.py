@@ -1,6 +1,5 @@
 """Every rejection is a 4xx naming the field; the documents' own examples are accepted."""
 
-import json
 import threading
 
 import httpx
