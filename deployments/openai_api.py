@@ -16,6 +16,7 @@ from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, 
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput, TokenLogprob
 from engine.request import GenerationRequest
 from sampling import SamplingParams
+from sampling.grammar import Grammar, check_grammar
 
 OPENAI_FINISH = {EOS: "stop", STOP: "stop", LENGTH: "length", TIMEOUT: "length", ABORT: "stop"}
 
@@ -81,10 +82,12 @@ class OpenAIFrontend:
         if body.tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice: only 'none' is supported (no tool calling)", "tool_choice",
                            "unsupported")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(400, f"response_format: {body.response_format.type!r} needs constrained decoding, "
-                                "which this server does not do; only 'text' is accepted", "response_format",
-                           "unsupported")
+        grammar = body.response_format.grammar() if body.response_format is not None else None
+        if grammar is not None:
+            try:
+                check_grammar(grammar)
+            except ValueError as error:
+                raise APIError(400, str(error), grammar.field, "invalid_value") from None
         messages = [m.for_template() for m in body.messages]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -92,7 +95,7 @@ class OpenAIFrontend:
             raise APIError(400, f"messages: the templated prompt has {len(prompt_ids)} tokens; at most "
                                 f"{self.max_prompt_tokens} fit (model length minus max_iter_times)", "messages",
                            "context_length_exceeded")
-        params = self._params(body, (body.top_logprobs or 0) if body.logprobs else None)
+        params = self._params(body, (body.top_logprobs or 0) if body.logprobs else None, grammar=grammar)
         request = GenerationRequest(f"{request_id}-0", prompt_ids, params, body.priority, deadline, body.n)
         return [Choice(j, 0, len(prompt_ids), request) for j in range(body.n)]
 
@@ -135,7 +138,7 @@ class OpenAIFrontend:
         return prompt_ids
 
     def _params(self, body: SamplingFields, logprobs: int | None, prompt_logprobs: int | None = None,
-                max_new_tokens: int | None = None) -> SamplingParams:
+                max_new_tokens: int | None = None, grammar: Grammar | None = None) -> SamplingParams:
         for param in ("max_tokens", "max_completion_tokens"):  # each is checked, though one wins
             if (getattr(body, param, None) or 0) > self.max_iter_times:
                 raise APIError(400, f"{param}: must be in (0, {self.max_iter_times}] (max_iter_times)", param,
@@ -151,7 +154,7 @@ class OpenAIFrontend:
             max_new_tokens=max_new_tokens or limit or self.max_iter_times, temperature=body.temperature,
             top_p=body.top_p, top_k=body.top_k or 0, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop_list(), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, logit_bias=bias, ignore_eos=body.ignore_eos)
+            prompt_logprobs=prompt_logprobs, logit_bias=bias, ignore_eos=body.ignore_eos, grammar=grammar)
 
     # ---- responses out -----------------------------------------------------------------
 

@@ -8,6 +8,7 @@ accepted. Unknown fields are refused. docs/api.md has each decision.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema, field_validator,
@@ -15,6 +16,7 @@ from pydantic import (BaseModel, Field, StrictBool, StrictFloat, StrictInt, Stri
 
 from deployments.json_types import Seed, StrictModel, TokenId, only
 from engine.request import MAX_CHOICES
+from sampling.grammar import Grammar
 from sampling.params import MAX_TOP_LOGPROBS
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,254}[A-Za-z0-9])?$"
@@ -137,10 +139,31 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
+class JsonSchemaFormat(StrictModel):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON Schema the output must validate against")
+    strict: StrictBool | None = Field(None, description="either way the output follows the schema exactly")
+
+
 class ResponseFormat(StrictModel):
-    type: Annotated[Literal["text", "json_object", "json_schema"],
-                    only("text", description="json_object and json_schema need constrained decoding")]
-    json_schema: dict | None = None
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="required with type json_schema")
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format.json_schema: required with type 'json_schema', and only with it")
+        return self
+
+    def grammar(self) -> Grammar | None:
+        """What the output must match (grammar-constrained decoding), None for text."""
+        if self.type == "json_object":
+            return Grammar("json_object", field="response_format")
+        if self.type == "json_schema":
+            return Grammar("json_schema", json.dumps(self.json_schema.schema_, sort_keys=True),
+                           "response_format.json_schema.schema")
+        return None
 
 
 # Chat fields OpenAI defines that need a capability this server does not have: refused with a

@@ -21,6 +21,8 @@ import logging
 import random
 import time
 
+import torch
+
 from engine.block_manager import BlockCounts, BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -32,6 +34,7 @@ from engine.outputs import (ABORT, EOS, LENGTH, STOP, TIMEOUT, ChoiceStart, Pref
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
 from engine.scheduler import ScheduledBatch, Scheduler
 from sampling import SamplerOutput, SamplingParams, SamplingRow
+from sampling.grammar import GrammarCompiler, Matcher, MatcherState
 from sampling.params import MAX_SEED, choice_seed
 
 logger = logging.getLogger(__name__)
@@ -40,8 +43,6 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         if config.torch_threads:
-            import torch
-
             torch.set_num_threads(config.torch_threads)
         self.config = config
         self.loaded = load_model(config)
@@ -58,6 +59,8 @@ class LLMEngine:
         self._kv_namespace = f"{self.loaded.model_id}:{self.dtype}".encode()
         self._seqs: dict[tuple[str, int], Sequence] = {}
         self._detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.loaded.eos_token_ids)
+        self._matchers: dict[tuple[str, int], MatcherState] = {}  # per constrained choice, made on first use
         self._arrivals = itertools.count()
         logger.info("engine ready: model %s, dtype %s (asked: %s), %d KV blocks of %d tokens, prefix caching %s",
                     self.loaded.path, self.dtype, config.dtype, self.blocks.num_blocks, config.block_size,
@@ -74,6 +77,8 @@ class LLMEngine:
         bad = [t for t in request.params.token_ids_in_use() if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"parameters: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if request.params.grammar is not None:
+            self.grammars.check(request.params.grammar)  # compiled here, on the caller's thread, once per digest
         n = len(request.prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt_token_ids: {n} tokens leave no room to generate within the maximum "
@@ -154,7 +159,9 @@ class LLMEngine:
             rows, repeats = [], []
             for (seq, _), samples in zip(batch.entries, batch.sampling):
                 choices = self._sampled_choices(seq) if samples else []
-                rows += [self._sampling_row(seq, c.seed) for c in choices]
+                # Choices not forked yet stand where seq stands (no output): they share its mask.
+                bitmask = self._grammar_bitmask(seq) if choices and seq.params.grammar else None
+                rows += [self._sampling_row(seq, c.seed, bitmask) for c in choices]
                 repeats.append(len(choices))
             result = self.runner.run(batch, rows, repeats)
             for scores in result.prompt_scores:
@@ -173,8 +180,28 @@ class LLMEngine:
         expired = [seq for seq in self._seqs.values() if now >= seq.deadline]
         return [out for seq in expired for out in self._finish(seq, TIMEOUT, [], "", [])]
 
-    def _sampling_row(self, seq: Sequence, seed: int) -> SamplingRow:
-        return SamplingRow(seq.params, seed, seq.prompt_ids, seq.output_ids, self._eos_ids(seq.params))
+    def _sampling_row(self, seq: Sequence, seed: int, bitmask: torch.Tensor | None = None) -> SamplingRow:
+        return SamplingRow(seq.params, seed, seq.prompt_ids, seq.output_ids, self._eos_ids(seq.params), bitmask)
+
+    def _grammar_bitmask(self, seq: Sequence) -> torch.Tensor:
+        """[W] int32: the tokens seq's grammar allows next."""
+        return self.grammars.bitmask(self._matcher(seq))
+
+    def _grammar_complete(self, seq: Sequence) -> bool:
+        """Whether seq's grammar is complete after its output so far: nothing but EOS may follow."""
+        return seq.params.grammar is not None and self._matcher(seq).is_stopped()
+
+    def _matcher(self, seq: Sequence) -> Matcher:
+        """seq's grammar matcher, advanced over its whole output. It is made on first use from the
+        output so far, which covers D after P's first token and a choice after its fork."""
+        entry = self._matchers.get(seq.key)
+        if entry is None:
+            entry = self._matchers[seq.key] = MatcherState(self.grammars.matcher(seq.params.grammar, []))
+        new = seq.output_ids[entry.consumed:]
+        if new and not entry.matcher.consume_tokens(new):  # the mask allowed them: only a bug gets here
+            raise RuntimeError(f"grammar matcher refused tokens {new}: {entry.matcher.get_error()}")
+        entry.consumed += len(new)
+        return entry.matcher
 
     def _eos_ids(self, params: SamplingParams) -> list[int]:
         """The request's end id (TensorRT-LLM's end_id), else the model's EOS ids."""
@@ -225,17 +252,18 @@ class LLMEngine:
             seq.cumulative_logprob += logprob.logprob
         logprobs = [logprob] if logprob else []
         text, stopped = self._detokenizers[seq.key].add(token)
-        reason = self._finish_reason(seq, token, stopped)
+        reason = self._finish_reason(seq, token, self._grammar_complete(seq) or stopped)
         if reason is not None:
             return self._finish(seq, reason, [token], text, logprobs)
         return [self._output(seq, [token], text, logprobs, finished=False)]
 
-    def _finish_reason(self, seq: Sequence, token: int, stopped_by_string: bool) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, stopped: bool) -> str | None:
+        """``stopped``: a stop string ended the text, or the grammar is complete."""
         p = seq.params
         if not p.ignore_eos and token in self._eos_ids(p):
             return EOS
         output = seq.output_ids
-        if stopped_by_string or any(output[-len(s):] == s for s in p.stop_token_ids):
+        if stopped or any(output[-len(s):] == s for s in p.stop_token_ids):
             return STOP
         # In DECODE mode P's first token is not this engine's: the server cap counts D's own.
         own = seq.num_output_tokens - (1 if seq.mode is Mode.DECODE else 0)
@@ -256,7 +284,10 @@ class LLMEngine:
             probe.token_ids.append(token)
             detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop, seq.params.skip_special_tokens)
             text, stopped = detok.add(token)
-            reason = self._finish_reason(probe, token, stopped)
+            # The probe is never scheduled: its grammar state is made here and dropped.
+            complete = probe.params.grammar is not None and self.grammars.matcher(probe.params.grammar,
+                                                                                  [token]).is_stopped()
+            reason = self._finish_reason(probe, token, complete or stopped)
             output = RequestOutput(
                 request_id=seq.request_id, new_token_ids=[token], new_text=text, num_output_tokens=1,
                 finished=reason is not None, finish_reason=reason, seed=choice.seed,
@@ -310,6 +341,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         del self._seqs[seq.key]
         del self._detokenizers[seq.key]
+        self._matchers.pop(seq.key, None)
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob],
                 finished: bool) -> RequestOutput:

@@ -27,6 +27,7 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]
     eos_token_ids: list[int]  # the model's EOS ids, or [params.eos_token_id]
+    token_bitmask: torch.Tensor | None = None  # [W] int32: the tokens its grammar allows (sampling/grammar.py)
 
 
 @dataclass
@@ -47,6 +48,8 @@ class SamplingBatch:
     step: torch.Tensor  # [R] int64: index of the token being generated
     max_logprobs: int | None  # largest top-N asked for in the batch, None if none asked
     has_processors: bool  # some row asks for a penalty, bias or ban (sampling/processors.py)
+    grammar_rows: torch.Tensor  # [Rc] int64: rows constrained by a grammar
+    token_bitmask: torch.Tensor | None  # [Rc, W] int32: their allowed tokens, packed; None when Rc = 0
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingBatch":
@@ -58,6 +61,7 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype, device=device)
 
         greedy = [p.greedy for p in params]
+        constrained = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
         temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
         return cls(
             rows=rows,
@@ -75,6 +79,8 @@ class SamplingBatch:
             step=tensor([len(r.output_ids) for r in rows], torch.int64),
             max_logprobs=max(asked) if asked else None,
             has_processors=any(uses_processors(p) for p in params),
+            grammar_rows=tensor(constrained, torch.int64),
+            token_bitmask=torch.stack([rows[i].token_bitmask for i in constrained]).to(device) if constrained else None,
         )
 
     def rows_where(self, predicate) -> list[int]:

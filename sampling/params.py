@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sampling.grammar import Grammar
+
 MAX_SEED = 2**64 - 1
 MAX_TOP_LOGPROBS = 20
 
@@ -42,6 +44,7 @@ class SamplingParams:
     stop_token_ids: list[list[int]] = field(default_factory=list)  # token-id sequences
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
     skip_special_tokens: bool = True
+    grammar: Grammar | None = None  # the output must match it (sampling/grammar.py)
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
@@ -68,6 +71,9 @@ class SamplingParams:
         _check(all(len(w) > 0 for w in self.bad_words_ids), "bad_words_ids", "sequences must be non-empty")
         _check(all(len(s) > 0 for s in self.stop_token_ids), "stop_token_ids", "sequences must be non-empty")
         _check(all(len(s) > 0 for s in self.stop), "stop", "strings must be non-empty")
+        # Once the grammar is complete only EOS may follow; a minimum length would forbid it.
+        _check(self.grammar is None or self.min_new_tokens == 0, "min_new_tokens",
+               "cannot be combined with a grammar (response_format): it could forbid the only token allowed")
 
     @property
     def greedy(self) -> bool:

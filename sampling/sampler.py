@@ -1,7 +1,8 @@
 """The batched sampler the engine calls once per step.
 
 Pipeline for logits [R, V] of the rows that sample this step:
-processors (sampling/processors.py) -> temperature -> logprobs (from this distribution,
+grammar mask (tokens a row's grammar forbids get -inf; sampling/grammar.py) -> processors
+(sampling/processors.py) -> temperature -> logprobs (from this distribution,
 after penalties and temperature and before truncation, as OpenAI reports them) -> greedy
 rows take the argmax -> min-p (before top-k/top-p, as vLLM does) -> top-k -> top-p ->
 exponential race with noise keyed by (seed, step, token) (sampling/noise.py).
@@ -18,6 +19,7 @@ import math
 import torch
 
 from sampling.batch import SamplingBatch
+from sampling.grammar import allowed_tokens
 from sampling.noise import exponential_noise
 from sampling.processors import apply_all
 from sampling.topk_topp import take_rows, top_k_top_p_sample
@@ -53,6 +55,10 @@ class Sampler:
         vLLM's sampler does: the caller hands over a tensor it does not use again.
         """
         logits = logits[:, : self.vocab_size].float()  # the same tensor when already float32
+        if batch.token_bitmask is not None:
+            rows = batch.grammar_rows
+            allowed = allowed_tokens(batch.token_bitmask, self.vocab_size)  # [Rc, V]
+            logits[rows] = logits[rows].masked_fill(~allowed, -float("inf"))
         if batch.has_processors:
             apply_all(logits, batch)
         if batch.scales_temperature:

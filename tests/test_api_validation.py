@@ -99,6 +99,13 @@ CASES = [
     ("/v1/chat/completions", chat(presence_penalty=-3), 400, "presence_penalty"),
     ("/v1/chat/completions", chat(frequency_penalty=2.5), 400, "frequency_penalty"),
     ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {}}), 400, "response_format"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}), 400,
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "bad name", "schema": {}}}), 400, "response_format.json_schema.name"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_object", "json_schema": {
+        "name": "x", "schema": {}}}), 400, "response_format.json_schema"),
     ("/v1/chat/completions", chat(tool_choice="required"), 400, "tool_choice"),
     ("/v1/chat/completions", chat(logit_bias={"abc": 1}), 400, "logit_bias"),
     ("/v1/chat/completions", chat(stream_options={"include_usage": True}), 400, "stream_options"),

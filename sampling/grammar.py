@@ -1,0 +1,136 @@
+"""Grammar-constrained decoding: which tokens a request may take next, as a packed bitmask.
+
+A request's ``SamplingParams.grammar`` is plain data (``Grammar``: a kind and its text) so it
+travels through P and D like every other control. Each engine turns it into a matcher with
+llguidance, the grammar engine behind this one seam:
+
+    compiler = GrammarCompiler(hf_tokenizer, vocab_size)
+    compiler.check(grammar)                    # compile once per digest; ValueError naming the field
+    matcher = compiler.matcher(grammar, ids)   # a copy of the compiled one, advanced by ``ids``
+    compiler.bitmask(matcher)                  # [W] int32: bit t % 32 of word t // 32 = token t allowed
+    matcher.consume_tokens(new_ids)            # after each accepted token (MatcherState counts them)
+
+A matcher is rebuilt from a sequence's output ids wherever that sequence lives (D after P's first
+token, a choice after its fork), so nothing but token ids crosses processes. The sampler applies
+the mask before everything else (sampling/sampler.py), so logprobs are those of the constrained
+distribution, as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import hashlib
+import json
+import threading
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+Matcher = llguidance.LLMatcher
+GRAMMAR_KINDS = ("json_object", "json_schema")
+# JSON as json.dumps writes it: ", " and ": " and no other whitespace. Free whitespace lets a weak
+# model pad until max_tokens without ever closing the object (vLLM offers the same switch).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's output must match. ``kind``: "json_object" (any JSON object; ``text`` is
+    empty) or "json_schema" (``text`` is the schema as JSON). ``field`` names the request field
+    it came from, for error messages."""
+
+    kind: str
+    text: str = ""
+    field: str = "grammar"
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"{self.field}: kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(f"{self.kind}\0{self.text}".encode()).hexdigest()
+
+    def source(self) -> str:
+        """The grammar in llguidance's form (no tokenizer needed)."""
+        schema = self.text if self.kind == "json_schema" else json.dumps({"type": "object"})
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        except ValueError as error:
+            raise ValueError(f"{self.field}: not a JSON object: {error}") from None
+
+
+@dataclass
+class MatcherState:
+    """A request's matcher and how many of its output tokens it has consumed."""
+
+    matcher: Matcher
+    consumed: int = 0
+
+
+def check_grammar(grammar: Grammar) -> None:
+    """Raise ValueError naming ``grammar.field`` if the grammar engine cannot compile it (an
+    unsupported keyword, an impossible schema). Needs no model: the API layer calls it."""
+    error = llguidance.LLMatcher.validate_grammar(grammar.source())
+    if error:
+        raise ValueError(f"{grammar.field}: the grammar engine cannot use this schema: {_first_line(error)}")
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else message
+
+
+class GrammarCompiler:
+    """One model's grammars: the tokenizer in llguidance's form and each compiled grammar, by
+    digest. ``check`` compiles (callers run it off the engine's step loop); the step loop only
+    copies compiled matchers and computes masks."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32  # W: int32 words of a bitmask row
+        self._hf_tokenizer = hf_tokenizer
+        self._eos = eos_token_ids
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: dict[str, Matcher] = {}
+        self._lock = threading.Lock()  # check() runs on server threads, matcher() on the engine's
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:  # ~10 ms for tiny-llama, ~1 s for a 150k vocabulary: on first use
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                               eos_token=self._eos)
+            return self._tokenizer
+
+    def check(self, grammar: Grammar) -> None:
+        """Compile ``grammar`` for this model unless it is cached; ValueError naming its field."""
+        if grammar.digest in self._compiled:
+            return
+        matcher = llguidance.LLMatcher(self.tokenizer(), grammar.source(), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"{grammar.field}: the grammar engine cannot use this schema: "
+                             f"{_first_line(matcher.get_error())}")
+        with self._lock:
+            self._compiled[grammar.digest] = matcher
+
+    def matcher(self, grammar: Grammar, token_ids: list[int]) -> Matcher:
+        """A fresh matcher for ``grammar`` that has consumed ``token_ids`` (the output so far)."""
+        self.check(grammar)
+        matcher = self._compiled[grammar.digest].deep_copy()
+        if token_ids and not matcher.consume_tokens(token_ids):
+            raise ValueError(f"{grammar.field}: the tokens so far do not match it: {matcher.get_error()}")
+        return matcher
+
+    def bitmask(self, matcher: Matcher) -> torch.Tensor:
+        """The tokens ``matcher`` allows next: [W] int32 on the CPU."""
+        out = torch.empty(1, self.words, dtype=torch.int32)  # [1, W]
+        llguidance.torch.fill_next_token_bitmask(matcher, out, 0)
+        return out[0]
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpack [R, W] int32 bitmasks into [R, V] bool: bit t % 32 of word t // 32 = token t allowed."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    unpacked = (bitmask[:, :, None] >> bits) & 1  # [R, W, 32]
+    return unpacked.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()

@@ -1,0 +1,119 @@
+"""Grammar-constrained decoding in the engine: every seed's output parses and validates, through
+one engine or through P and D, with n choices and beside unconstrained batch mates."""
+
+import json
+
+import jsonschema
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import LENGTH, STOP
+from engine.request import GenerationRequest
+from sampling import SamplingParams
+from sampling.grammar import Grammar, check_grammar
+
+PROMPT = [1, 40, 41, 42, 43]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "ok"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA = Grammar("json_schema", json.dumps(SCHEMA))
+JSON_OBJECT = Grammar("json_object")
+SEEDS = range(1, 21)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model="tiny-llama"))
+
+
+def constrained(grammar, seed, max_new_tokens=200, **kw):
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed, grammar=grammar, **kw)
+
+
+def requests(grammar, **kw):
+    return [GenerationRequest(f"s{seed}", PROMPT, constrained(grammar, seed, **kw)) for seed in SEEDS]
+
+
+def test_json_schema_output_validates_for_every_seed(engine):
+    for out in engine.generate(requests(JSON_SCHEMA)).values():
+        assert out.finish_reason == STOP, out.text  # the grammar completed, not the length
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_json_object_output_is_one_object_for_every_seed(engine):
+    # Any JSON object: with random weights some run past the length; those that end are objects.
+    outs = engine.generate(requests(JSON_OBJECT, max_new_tokens=60)).values()
+    complete = [out for out in outs if out.finish_reason == STOP]
+    assert complete, "no seed completed an object"
+    assert all(isinstance(json.loads(out.text), dict) for out in complete)
+    assert all(out.text.startswith("{") for out in outs)
+
+
+def test_unconstrained_output_is_not_json():
+    """The mask is what makes the output valid: the same seeds without it give no JSON."""
+    e = LLMEngine(EngineConfig(model="tiny-llama"))
+    plain = [GenerationRequest(f"p{seed}", PROMPT, SamplingParams(max_new_tokens=30, temperature=1.0, seed=seed))
+             for seed in SEEDS]
+    assert not any(out.text.startswith("{") for out in e.generate(plain).values())
+
+
+def test_prefill_and_decode_equal_one_engine(engine):
+    alone = engine.generate(requests(JSON_SCHEMA))
+    p, d = LLMEngine(EngineConfig(model="tiny-llama")), LLMEngine(EngineConfig(model="tiny-llama"))
+    for request in requests(JSON_SCHEMA):
+        prefill = p.prefill([request])[request.request_id]
+        assert prefill.prefill is not None  # P's first token did not end it: D goes on
+        decoded = d.decode([(request, prefill.prefill)])
+        assert decoded[request.request_id].output_token_ids == alone[request.request_id].output_token_ids
+
+
+def test_n_choices_each_follow_the_grammar(engine):
+    request = GenerationRequest("n", PROMPT, constrained(JSON_SCHEMA, 7), n=4)
+    choices = engine.generate_choices([request])["n"]
+    assert len(choices) == 4 and len({c.text for c in choices}) > 1
+    for choice in choices:
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+
+
+def test_unconstrained_batch_mates_are_unchanged(engine):
+    mate = GenerationRequest("mate", PROMPT, SamplingParams(max_new_tokens=24, temperature=1.0, seed=99,
+                                                            ignore_eos=True))
+    alone = engine.generate([mate])["mate"].output_token_ids
+    together = engine.generate([mate, *requests(JSON_SCHEMA)[:8]])
+    assert together["mate"].output_token_ids == alone
+
+
+def test_length_cut_is_incomplete_json(engine):
+    out = engine.generate([GenerationRequest("cut", PROMPT, constrained(JSON_SCHEMA, 3, max_new_tokens=4))])["cut"]
+    assert out.finish_reason == LENGTH and out.text.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out.text)
+
+
+def test_logprobs_are_of_the_constrained_distribution(engine):
+    params = constrained(JSON_SCHEMA, 5, logprobs=5)
+    engine.add_request(GenerationRequest("lp", PROMPT, params))
+    outs = engine.run_to_completion()["lp"]
+    first = outs[0].logprobs[0]
+    # The first token must open the object: every alternative with mass starts with "{".
+    assert engine.tokenizer.decode([first.token_id]).startswith("{")
+    alternatives = [engine.tokenizer.decode([t]) for t, lp in first.top if lp > -1e30]
+    assert alternatives and all(a.startswith("{") for a in alternatives)
+    assert sum(2.718281828 ** lp for _, lp in first.top) <= 1.0 + 1e-5
+
+
+def test_bad_schemas_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"^response_format.json_schema.schema: .*"):
+        check_grammar(Grammar("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "nope"}}}),
+                              "response_format.json_schema.schema"))
+    with pytest.raises(ValueError, match=r"^min_new_tokens: "):
+        SamplingParams(min_new_tokens=3, grammar=JSON_OBJECT)
