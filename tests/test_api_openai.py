@@ -192,7 +192,8 @@ def test_errors_come_as_the_clients_exception_classes(base_url):
         c.chat.completions.create(model="other-model", messages=MESSAGES)
     assert error.value.body["param"] == "model"
     for kwargs, param in [({"temperature": 2.5}, "temperature"), ({"max_tokens": CAP + 1}, "max_tokens"),
-                          ({"response_format": {"type": "json_object"}}, "response_format"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {
+                              "name": "x", "schema": {"type": "nope"}}}}, "response_format.json_schema.schema"),
                           ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
                           ({"top_logprobs": 3}, "top_logprobs")]:
         with pytest.raises(openai.BadRequestError) as error:
