@@ -4,7 +4,7 @@ A request's ``SamplingParams.grammar`` is plain data (``Grammar``: a kind and it
 travels through P and D like every other control. Each engine turns it into a matcher with
 llguidance, the grammar engine behind this one seam:
 
-    compiler = GrammarCompiler(hf_tokenizer, vocab_size)
+    compiler = GrammarCompiler(hf_tokenizer, vocab_size, eos_ids)
     compiler.check(grammar)                    # compile once per digest; ValueError naming the field
     matcher = compiler.matcher(grammar, ids)   # a copy of the compiled one, advanced by ``ids``
     compiler.bitmask(matcher)                  # [W] int32: bit t % 32 of word t // 32 = token t allowed
@@ -24,8 +24,7 @@ import json
 import threading
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
+import llguidance.hf  # not llguidance.torch: importing it loads torch._dynamo (~1.5 s a process)
 import torch
 
 Matcher = llguidance.LLMatcher
@@ -89,7 +88,6 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
-        self.words = (vocab_size + 31) // 32  # W: int32 words of a bitmask row
         self._hf_tokenizer = hf_tokenizer
         self._eos = eos_token_ids
         self._tokenizer: llguidance.LLTokenizer | None = None
@@ -124,9 +122,7 @@ class GrammarCompiler:
 
     def bitmask(self, matcher: Matcher) -> torch.Tensor:
         """The tokens ``matcher`` allows next: [W] int32 on the CPU."""
-        out = torch.empty(1, self.words, dtype=torch.int32)  # [1, W]
-        llguidance.torch.fill_next_token_bitmask(matcher, out, 0)
-        return out[0]
+        return torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)  # [W]
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
