@@ -1,6 +1,7 @@
-"""The cost of grammar-constrained decoding: engine throughput with every request constrained to a
-JSON schema against the same requests unconstrained, and the time to compile a grammar (first and
-cached). One run, one machine, the two back to back.
+"""The cost of grammar-constrained decoding: engine throughput with every request constrained (to a
+JSON schema; to tool calls with ``tool_choice`` required; by the ``auto`` tool grammar, free text
+unless a call begins) against the same requests unconstrained, and the time to compile each
+grammar (first and cached). One run, one machine, back to back.
 
 Model: SmolLM-135M's shape cut to 8 layers (benchmarks/engine_throughput.py), random weights, with
 a byte-level BPE tokenizer of ``--vocab`` tokens trained here on random words (the mask's cost
@@ -11,6 +12,10 @@ The two runs also differ in what they generate (JSON against random bytes, which
 handles at a different cost), so the mask's own cost per step is measured apart as well.
 
     python benchmarks/structured_output.py [--batch 32] [--vocab 32000] [--rounds 2] [--json PATH]
+
+The tool grammars end like the schema's (a required call, one, then EOS); ``auto`` lets the
+random model write text, so it runs to the length and measures what a text answer pays for
+the grammar that watches for a call.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
+from deployments.tool_calls import tools_grammar  # noqa: E402
 from sampling.grammar import Grammar, allowed_tokens  # noqa: E402
 
 SCHEMA = {
@@ -47,6 +53,28 @@ SCHEMA = {
     },
     "required": ["id", "title", "scores", "status", "owner"],
     "additionalProperties": False,
+}
+# Four functions an agent might be given (Databricks allows 32, 15 properties each).
+FUNCTIONS = {
+    "get_weather": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+                    "required": ["city", "unit"], "additionalProperties": False},
+    "search": {"type": "object", "properties": {"query": {"type": "string", "maxLength": 60},
+                                                "limit": {"type": "integer", "minimum": 1, "maximum": 50}},
+               "required": ["query"], "additionalProperties": False},
+    "add": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            "required": ["a", "b"], "additionalProperties": False},
+    "send_email": {"type": "object", "properties": {"to": {"type": "array", "items": {"type": "string",
+                                                                                     "maxLength": 40},
+                                                           "minItems": 1, "maxItems": 3},
+                                                    "subject": {"type": "string", "maxLength": 60},
+                                                    "urgent": {"type": "boolean"}},
+                   "required": ["to", "subject"], "additionalProperties": False},
+}
+GRAMMARS = {
+    "json_schema": Grammar("json_schema", json.dumps(SCHEMA)),
+    "tools_required": tools_grammar(FUNCTIONS, "required", parallel=False),
+    "tools_auto": tools_grammar(FUNCTIONS, "auto", parallel=True),
 }
 
 
@@ -117,21 +145,23 @@ def main() -> None:
         model = make_model(Path(tmp) / "model", args.vocab)
         engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", max_num_seqs=args.batch,
                                         max_num_batched_tokens=max(2048, args.batch * 40)))
-        grammar = Grammar("json_schema", json.dumps(SCHEMA))
         start = time.perf_counter()
         engine.grammars.tokenizer()
         tokenizer_ms = 1000 * (time.perf_counter() - start)
-        compile_ms = []
-        for _ in range(2):  # first: compiled; second: the cache
-            start = time.perf_counter()
-            engine.grammars.check(grammar)
-            compile_ms.append(1000 * (time.perf_counter() - start))
+        compile_ms = {}
+        for name, grammar in GRAMMARS.items():
+            compile_ms[name] = []
+            for _ in range(2):  # first: compiled; second: the cache
+                start = time.perf_counter()
+                engine.grammars.check(grammar)
+                compile_ms[name].append(1000 * (time.perf_counter() - start))
         run(engine, args.batch, None, 8)  # warm-up
-        runs = {"unconstrained": [], "constrained": []}
-        for _ in range(args.rounds):  # alternated, so that drift in the machine's speed hits both
+        runs = {name: [] for name in ["unconstrained", *GRAMMARS]}
+        for _ in range(args.rounds):  # alternated, so that drift in the machine's speed hits all alike
             runs["unconstrained"].append(run(engine, args.batch, None, args.max_new_tokens))
-            runs["constrained"].append(run(engine, args.batch, grammar, args.max_new_tokens))
-        mask = mask_cost_ms(engine, grammar, runs["constrained"][-1]["outputs"])
+            for name, grammar in GRAMMARS.items():
+                runs[name].append(run(engine, args.batch, grammar, args.max_new_tokens))
+        mask = {name: mask_cost_ms(engine, grammar, runs[name][-1]["outputs"]) for name, grammar in GRAMMARS.items()}
     for rs in runs.values():
         for r in rs:
             del r["outputs"]
@@ -139,10 +169,10 @@ def main() -> None:
     step_ms = sum(r["ms_per_step"] for r in runs["unconstrained"]) / len(runs["unconstrained"])
     result = {
         "batch": args.batch, "vocab": args.vocab, "model_vocab": SMOLLM_8L["vocab_size"],
-        "threads": torch.get_num_threads(), "tokenizer_ms": tokenizer_ms,
-        "compile_first_ms": compile_ms[0], "compile_cached_ms": compile_ms[1], **runs,
-        "throughput_ratio": rate["constrained"] / rate["unconstrained"],
-        "mask_per_step": mask, "mask_share_of_unconstrained_step": sum(mask.values()) / step_ms,
+        "threads": torch.get_num_threads(), "tokenizer_ms": tokenizer_ms, "compile_ms_first_cached": compile_ms,
+        **runs, "throughput_ratio": {name: rate[name] / rate["unconstrained"] for name in GRAMMARS},
+        "mask_per_step": mask,
+        "mask_share_of_unconstrained_step": {name: sum(m.values()) / step_ms for name, m in mask.items()},
     }
     print(json.dumps(result, indent=2))
     if args.json:

@@ -94,8 +94,12 @@ async def on_validation_error(_: Request, error: RequestValidationError) -> JSON
         message = "matches none of its accepted forms: " + "; ".join(dict.fromkeys(reasons))
     if first.get("type") == "value_error":
         message = message.removeprefix("Value error, ")
-        if param is None:  # a check across fields says "<field>: <rule>" (openai_schema.py)
-            named = from_value_error(ValueError(message))
-            if named.param:
-                return error_response(400, message, named.param, "invalid_value")
+        # A check across fields says "<field>: <rule>" (openai_schema.py); the field is relative
+        # to where the check ran (messages.2 for a message's own check).
+        named = from_value_error(ValueError(message))
+        if named.param:
+            if location:
+                named.param = ".".join([*location, named.param])
+                message = f"{'.'.join(location)}.{message}"
+            return error_response(400, message, named.param, "invalid_value")
     return error_response(400, f"{param or 'body'}: {message}", param, first.get("type"))

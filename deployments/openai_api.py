@@ -5,6 +5,7 @@ whole responses (streams: deployments/openai_stream.py). docs/api.md has every d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import json
 import re
 import time
 
@@ -13,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from deployments import mindie
 from deployments.errors import APIError
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
+from deployments.tool_calls import message_tool_calls, parse_tool_calls, template_has_tool_syntax, tools_grammar
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput, TokenLogprob
 from engine.request import GenerationRequest
 from sampling import SamplingParams
@@ -35,6 +37,7 @@ class Choice:
     # max_tokens 0 with echo: the engine makes one token (the prompt's last logits are computed
     # anyway) and it is dropped: the choice returns the prompt, scored, and nothing generated.
     scores_only: bool = False
+    may_call_tools: bool = False  # the output is parsed for tool calls (message.tool_calls)
     outputs: list[RequestOutput] = field(default_factory=list)
 
     @property
@@ -77,19 +80,11 @@ class OpenAIFrontend:
 
     def chat_choices(self, body: ChatCompletionRequest, request_id: str, deadline: float) -> list[Choice]:
         self.check_model(body.model)
-        if body.tools:
-            raise APIError(400, "tools: tool calling is not supported by this server", "tools", "unsupported")
-        if body.tool_choice not in (None, "none"):
-            raise APIError(400, "tool_choice: only 'none' is supported (no tool calling)", "tool_choice",
-                           "unsupported")
-        grammar = body.response_format.grammar() if body.response_format is not None else None
-        if grammar is not None:
-            try:
-                check_grammar(grammar)
-            except ValueError as error:
-                raise APIError(400, str(error), grammar.field, "invalid_value") from None
+        grammar = self._chat_grammar(body)
         messages = [m.for_template() for m in body.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # Tools are shown to the model only when it may call them (tool_choice "none" hides them).
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tool_mode() else None
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         if len(prompt_ids) > self.max_prompt_tokens:
             raise APIError(400, f"messages: the templated prompt has {len(prompt_ids)} tokens; at most "
@@ -97,7 +92,34 @@ class OpenAIFrontend:
                            "context_length_exceeded")
         params = self._params(body, (body.top_logprobs or 0) if body.logprobs else None, grammar=grammar)
         request = GenerationRequest(f"{request_id}-0", prompt_ids, params, body.priority, deadline, body.n)
-        return [Choice(j, 0, len(prompt_ids), request) for j in range(body.n)]
+        return [Choice(j, 0, len(prompt_ids), request, may_call_tools=tools is not None) for j in range(body.n)]
+
+    def _chat_grammar(self, body: ChatCompletionRequest) -> Grammar | None:
+        """What the output must match: the tool-call grammar, response_format's, or nothing. Each
+        schema is checked on its own, so a 400 names the one the grammar engine cannot use."""
+        mode = body.tool_mode()
+        if mode is None:
+            grammar = body.response_format.grammar() if body.response_format is not None else None
+            self._check(grammar)
+            return grammar
+        if mode == "auto" and not template_has_tool_syntax(self.tokenizer.chat_template):
+            raise APIError(400, "tool_choice: 'auto' lets the model choose to call a tool in its own syntax, and "
+                                "this model's chat template has no tool-call syntax this server reads (Hermes' "
+                                "<tool_call>); send 'required' or a named function", "tool_choice", "unsupported")
+        for j, (name, parameters) in enumerate(body.function_parameters().items()):
+            self._check(Grammar("json_schema", json.dumps(parameters, sort_keys=True),
+                                f"tools.{j}.function.parameters"))
+        grammar = tools_grammar(body.function_parameters(), mode, parallel=body.parallel_tool_calls is not False)
+        self._check(grammar)
+        return grammar
+
+    @staticmethod
+    def _check(grammar: Grammar | None) -> None:
+        if grammar is not None:
+            try:
+                check_grammar(grammar)
+            except ValueError as error:
+                raise APIError(400, str(error), grammar.field, "invalid_value") from None
 
     def completion_choices(self, body: CompletionRequest, request_id: str, deadline: float) -> list[Choice]:
         """best_of (or n) choices per prompt, indexed prompt × best_of + j until ``best``
@@ -158,8 +180,11 @@ class OpenAIFrontend:
 
     # ---- responses out -----------------------------------------------------------------
 
-    def finish_reason(self, output: RequestOutput, scores_only: bool = False) -> str:
-        """The dialect's reason; a choice that only scores its prompt ends by its length (0)."""
+    def finish_reason(self, output: RequestOutput, scores_only: bool = False, called: bool = False) -> str:
+        """The dialect's reason; a choice that only scores its prompt ends by its length (0); one
+        that called tools and was not cut off ends with "tool_calls"."""
+        if called and output.finish_reason not in (LENGTH, TIMEOUT):
+            return "tool_calls"
         return self.finish_reasons[LENGTH if scores_only else output.finish_reason]
 
     @staticmethod
@@ -186,12 +211,26 @@ class OpenAIFrontend:
         return kept
 
     def chat_response(self, response_id: str, choices: list[Choice], created: int) -> dict:
+        def choice(c: Choice) -> dict:
+            message, called = self.chat_message(c)
+            return {"index": c.index, "message": message,
+                    "logprobs": self.chat_logprobs(generated_logprobs(c, c.outputs)),
+                    "finish_reason": self.finish_reason(c.final, c.scores_only, called)}
+
         return {"id": response_id, "object": "chat.completion", "created": created, "model": self.served_model_name,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": self.chat_logprobs(generated_logprobs(c, c.outputs)),
-                             "finish_reason": self.finish_reason(c.final, c.scores_only)}
-                            for c in choices],
-                "usage": self.usage(choices)}
+                "choices": [choice(c) for c in choices], "usage": self.usage(choices)}
+
+    @staticmethod
+    def chat_message(c: Choice) -> tuple[dict, bool]:
+        """The assistant message, and whether it called tools: then ``content`` is the text before
+        the calls, null when there is none."""
+        if not c.may_call_tools:
+            return {"role": "assistant", "content": c.text}, False
+        content, parsed = parse_tool_calls(c.text)
+        calls = message_tool_calls(parsed)
+        if not calls:
+            return {"role": "assistant", "content": c.text}, False
+        return {"role": "assistant", "content": content or None, "tool_calls": calls}, True
 
     def completion_response(self, response_id: str, made: list[Choice], returned: list[Choice], created: int,
                             suffix: str, with_logprobs: bool) -> dict:

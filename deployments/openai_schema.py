@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema, field_validator,
-                      model_validator)
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema, field_validator, model_validator
 
 from deployments.json_types import Seed, StrictModel, TokenId, only
 from engine.request import MAX_CHOICES
@@ -24,6 +23,9 @@ MAX_MESSAGES_BYTES = 512 * 1024  # total content of a chat request
 MAX_N = MAX_CHOICES  # choices per prompt (OpenAI's limit too)
 MAX_STOP = 16  # stop strings per request
 MAX_BATCH_PROMPTS = 64  # prompts in one completions request, inputs in one embeddings request
+MAX_TOOLS = 32  # Databricks' limits (seeds/002)
+MAX_TOOL_PROPERTIES = 15  # properties of one function's parameters
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # A completion's prompt, an embedding's input: one or a batch, of text or of token ids.
@@ -96,17 +98,34 @@ TEXT_PARTS_SCHEMA = {"type": "array", "minItems": 1, "items": {
     "properties": {"type": {"const": "text"}, "text": {"type": "string", "minLength": 1}}}}
 
 
+class CalledFunction(StrictModel):
+    name: StrictStr = Field(pattern=FUNCTION_NAME_PATTERN)
+    arguments: StrictStr = Field(description="the arguments as a JSON string, as the assistant wrote them")
+
+
+class MessageToolCall(StrictModel):
+    """A call an earlier assistant turn made (multi-turn tool use)."""
+
+    id: NonEmptyStr
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # A string, or OpenAI's list of parts; only text parts are read (this model reads text only).
-    content: NonEmptyStr | Annotated[list[dict[str, Any]], Field(min_length=1), WithJsonSchema(TEXT_PARTS_SCHEMA)]
+    # Null only for an assistant turn that made tool calls.
+    content: NonEmptyStr | Annotated[list[dict[str, Any]], Field(min_length=1), WithJsonSchema(TEXT_PARTS_SCHEMA)] \
+        | None = Field(None, description="required, except on an assistant message with tool_calls")
     name: StrictStr | None = Field(None, description="given to the chat template, which may use it")
-    tool_call_id: StrictStr | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = Field(
+        None, description="assistant messages only: the calls that turn made")
+    tool_call_id: StrictStr | None = Field(None, description="tool messages only, required there: the call answered")
 
     @field_validator("content")
     @classmethod
     def _text_parts(cls, content):
-        if isinstance(content, str):
+        if content is None or isinstance(content, str):
             return content
         parts = []
         for j, part in enumerate(content):
@@ -116,27 +135,81 @@ class ChatMessage(StrictModel):
             parts.append(TextPart.model_validate(part))
         return parts
 
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content: required (only an assistant message with tool_calls may leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only on assistant messages")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool_call_id: required on tool messages, and only there")
+        return self
+
     def text(self) -> str:
         """The content as one string: text parts are joined, as OpenAI's clients send it split."""
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def for_template(self) -> dict:
-        """The message as the chat template reads it; ``developer`` is OpenAI's new name for ``system``."""
+        """The message as the chat template reads it; ``developer`` is OpenAI's new name for ``system``.
+        A call's arguments go as an object where they parse (as transformers' templates expect)."""
         message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
         return message
 
 
-class FunctionDefinition(BaseModel):
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(StrictModel):
+    name: StrictStr = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description=f"a JSON Schema of the arguments object, at most {MAX_TOOL_PROPERTIES} properties; "
+                          "absent: no arguments")
+    strict: StrictBool | None = Field(None, description="either way the arguments follow the schema exactly")
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_with_few_properties(cls, parameters):
+        if parameters is None:
+            return None
+        if parameters.get("type", "object") != "object":
+            raise ValueError(f"the arguments must be a JSON object: type 'object', got {parameters['type']!r}")
+        properties = parameters.get("properties")
+        count = len(properties) if isinstance(properties, dict) else 0
+        if count > MAX_TOOL_PROPERTIES:
+            raise ValueError(f"{count} properties; at most {MAX_TOOL_PROPERTIES} per function")
+        return parameters
+
+    def parameters_schema(self) -> dict:
+        """The arguments' schema: always of an object (absent: one with no properties)."""
+        return {"type": "object", **(self.parameters or {"properties": {}})}
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolName(StrictModel):
     name: StrictStr
 
 
-class Tool(BaseModel):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
-    function: FunctionDefinition
+    function: ToolName
 
 
 class JsonSchemaFormat(StrictModel):
@@ -174,7 +247,7 @@ UNSUPPORTED_CHAT_FIELDS = {
     "reasoning_effort": "the served model has no reasoning controls",
     "verbosity": "the served model has no verbosity control",
     "web_search_options": "this server does no web search",
-    "functions": "function calling is not supported by this server",
+    "functions": "deprecated by OpenAI; send tools",
 }
 
 
@@ -184,10 +257,10 @@ class ChatCompletionRequest(SamplingFields):
         None, gt=0, description="OpenAI's current name for max_tokens; wins over it when both are set")
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Annotated[Annotated[list[Tool], Field(max_length=32)] | None,
-                     only([], None, description="tool calling is not supported yet")] = None
-    tool_choice: Annotated[StrictStr | dict | None, only("none", None, description="no tool calling")] = None
-    parallel_tool_calls: StrictBool | None = Field(None, description="accepted; no tools are called here")
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="absent: 'auto' with tools. 'auto' needs a chat template in Hermes' tool-call syntax")
+    parallel_tool_calls: StrictBool | None = Field(None, description="false: at most one call; absent: true")
     function_call: Annotated[StrictStr | dict | None, only("none", None, description="deprecated; only 'none'")] = None
     response_format: ResponseFormat | None = None
     modalities: Annotated[list[Literal["text", "audio"]] | None, only(["text"], None, description="text only")] = None
@@ -227,12 +300,44 @@ class ChatCompletionRequest(SamplingFields):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: {why}")
         if self.function_call not in (None, "none"):
-            raise ValueError("function_call: function calling is not supported by this server; only 'none'")
+            raise ValueError("function_call: deprecated by OpenAI; send tool_choice (only 'none' is accepted here)")
         if self.modalities is not None and self.modalities != ["text"]:
             raise ValueError("modalities: only ['text'] is served by this model")
         if self.store:
             raise ValueError("store: this server keeps no completions; send false or leave it out")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or []]
+        for j, name in enumerate(names):
+            if name in names[:j]:
+                raise ValueError(f"tools.{j}.function.name: {name!r} is defined twice")
+        if self.tool_choice not in (None, "none") and not names:
+            raise ValueError("tool_choice: only allowed when tools are given")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice.function.name: no tool is named {self.tool_choice.function.name!r}")
+        if self.tool_mode() is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format: cannot be combined with tools unless tool_choice is 'none' "
+                             "(a call's arguments already follow their schema)")
+        tool_call_ids = set()
+        for i, message in enumerate(self.messages):
+            tool_call_ids |= {call.id for call in message.tool_calls or []}
+            if message.role == "tool" and message.tool_call_id not in tool_call_ids:
+                raise ValueError(f"messages.{i}.tool_call_id: {message.tool_call_id!r} answers no earlier "
+                                 "assistant tool call")
+
+    def tool_mode(self) -> str | None:
+        """How the output may call tools: None (it may not), "auto", "required", or a function's name."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
+
+    def function_parameters(self) -> dict[str, dict]:
+        """Each tool's name and parameters schema."""
+        return {tool.function.name: tool.function.parameters_schema() for tool in self.tools or []}
 
 
 class CompletionRequest(SamplingFields):

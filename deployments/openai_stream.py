@@ -1,7 +1,7 @@
 """Server-sent events of the OpenAI dialect, as OpenAI sends them.
 
 - chat: ``role`` only in a choice's first chunk; each choice ends with a chunk of an empty
-  delta and its ``finish_reason``;
+  delta and its ``finish_reason``; tool calls as deployments/tool_calls.py's deltas;
 - completions: the echoed prompt (and, with logprobs, its scores) in a choice's first chunk,
   the suffix in its last;
 - no chunk without text or a finish reason: while a multi-byte character is incomplete the
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 from deployments.openai_api import Choice, OpenAIFrontend, generated_logprobs, prompt_logprobs
+from deployments.tool_calls import ToolCallStream
 from engine.outputs import RequestOutput, TokenLogprob
 
 
@@ -28,6 +29,7 @@ class StreamWriter:
         self.object_name = "chat.completion.chunk" if chat else "text_completion"
         self._started: set[int] = set()  # choice positions whose first chunk went out
         self._held: dict[int, list[TokenLogprob | int]] = {}  # logprobs waiting for text
+        self._tools: dict[int, ToolCallStream] = {}  # per choice that may call tools
 
     def write(self, position: int, output: RequestOutput) -> str:
         choice = self.choices[position]
@@ -37,33 +39,47 @@ class StreamWriter:
             entries += prompt_logprobs(choice, output)
         entries += generated_logprobs(choice, [output])
         text = "" if choice.scores_only else output.new_text
-        if not self.chat:
+        if self.chat:
+            deltas = self._tool_stream(position).feed(text, output.finished) if choice.may_call_tools else \
+                [{"content": text}] if text else []
+        else:
             text = (choice.prefix if first else "") + text + (self.suffix if output.finished else "")
-        if not text and not output.finished:
+            deltas = [text] if text else []
+        if not deltas and not output.finished:
             if entries:
                 self._held[position] = entries
             return ""
         self._started.add(position)
-        finish = self.front.finish_reason(output, choice.scores_only) if output.finished else None
         if not self.chat:
+            finish = self.front.finish_reason(output, choice.scores_only) if output.finished else None
             logprobs = self.front.completion_logprobs(entries) if self.with_logprobs and entries else None
             return self._chunk([{"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}])
+        return self._chat_events(position, output, deltas, entries, first)
+
+    def _chat_events(self, position: int, output: RequestOutput, deltas: list[dict], entries: list, first: bool) -> str:
+        """One chunk per delta (a choice's first carries the role), then, when the choice ends,
+        the chunk with its finish reason; logprobs ride on the first chunk that goes out."""
+        choice = self.choices[position]
         events = ""
-        if text:  # a choice's first chunk carries the role
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            body = {"index": choice.index, "delta": delta, "finish_reason": None}
+        if output.finished:
+            deltas = deltas + [{}]
+        for j, delta in enumerate(deltas):
+            if first:
+                delta = {"role": "assistant", "content": None if "tool_calls" in delta else delta.get("content", ""),
+                         **delta}
+                first = False
+            last = output.finished and j == len(deltas) - 1
+            called = choice.may_call_tools and self._tool_stream(position).called
+            finish = self.front.finish_reason(output, choice.scores_only, called) if last else None
+            body = {"index": choice.index, "delta": delta, "finish_reason": finish}
             if entries:
                 body["logprobs"] = self.front.chat_logprobs(entries)
                 entries = []
             events += self._chunk([body])
-            first = False
-        if output.finished:  # a choice with no text at all gets its role here
-            body = {"index": choice.index, "delta": {"role": "assistant", "content": ""} if first else {},
-                    "finish_reason": finish}
-            if entries:
-                body["logprobs"] = self.front.chat_logprobs(entries)
-            events += self._chunk([body])
         return events
+
+    def _tool_stream(self, position: int) -> ToolCallStream:
+        return self._tools.setdefault(position, ToolCallStream())
 
     def close(self) -> str:
         """The usage chunk when asked for, then [DONE]."""

@@ -78,7 +78,8 @@ def _must(field: str, value) -> dict:
 def add_rules_across_fields(schemas: dict) -> None:
     """Only the first message may be system/developer; top_logprobs needs logprobs;
     stream_options needs stream; max_tokens 0 needs echo; a stream takes no best_of above 1;
-    instruction is for text input only."""
+    instruction is for text input only; the tool rules (``_tool_rules``, ``_message_rules``);
+    a function's parameters are an object schema of at most 15 properties."""
     chat, completion, embedding = (schemas[n] for n in ("ChatCompletionRequest", "CompletionRequest",
                                                          "EmbeddingRequest"))
     message = {"$ref": "#/components/schemas/ChatMessage"}
@@ -86,11 +87,36 @@ def add_rules_across_fields(schemas: dict) -> None:
         prefixItems=[message],
         items={"allOf": [message, {"properties": {"role": {"not": {"enum": ["system", "developer"]}}}}]})
     streaming = _when("stream_options", {"type": "object"}, _must("stream", True))
-    chat["allOf"] = [streaming, _when("top_logprobs", {"type": "integer"}, _must("logprobs", True))]
+    chat["allOf"] = [streaming, _when("top_logprobs", {"type": "integer"}, _must("logprobs", True)), *_tool_rules()]
+    schemas["ChatMessage"]["allOf"] = _message_rules()
+    parameters = schemas["FunctionDefinition"]["properties"]["parameters"]["anyOf"][0]
+    parameters["properties"] = {"type": {"const": "object"}, "properties": {"type": "object", "maxProperties": 15}}
     completion["allOf"] = [streaming, _when("max_tokens", {"const": 0}, _must("echo", True)),
                            _when("stream", {"const": True}, {"properties": {"best_of": {"enum": [None, 1]}}})]
     token_input = {"type": "array", "items": {"type": ["integer", "array"]}}
     embedding["allOf"] = [_when("input", token_input, {"properties": {"instruction": {"type": "null"}}})]
+
+
+def _tool_rules() -> list[dict]:
+    """tool_choice other than none needs tools; response_format other than text only where no
+    tool may be called."""
+    no_tools = {"anyOf": [{"properties": {"tools": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}},
+                          _must("tool_choice", "none")]}
+    structured = {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
+    return [_when("tool_choice", {"not": {"enum": ["none", None]}},
+                  {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}),
+            _when("response_format", structured, no_tools)]
+
+
+def _message_rules() -> list[dict]:
+    """content may be left out only by an assistant message with tool_calls; tool_calls only on
+    assistant messages; tool_call_id on tool messages, and only there."""
+    return [{"anyOf": [{"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                       {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array"}}}]},
+            _when("tool_calls", {"type": "array"}, _must("role", "assistant")),
+            _when("role", {"const": "tool"}, {"required": ["tool_call_id"],
+                                               "properties": {"tool_call_id": {"type": "string"}}}),
+            _when("tool_call_id", {"type": "string"}, _must("role", "tool"))]
 
 
 def _cap(node, key: str, value) -> None:

@@ -15,12 +15,24 @@ import tempfile
 
 import torch
 
-VERSION = "v1"
+VERSION = "v2"  # v2: the chat template renders tools and tool calls
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+# Hermes' tool-call syntax, as Qwen2.5/3 and Hermes models write it (deployments/tool_calls.py
+# parses it): the tools' signatures in a system block, each call as
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>. Without tools, the same text as v1.
+CHAT_TEMPLATE = (  # transformers trims the newline after a block tag: those newlines are {{ nl }}
+    "{% set nl = '\\n' %}{{ bos_token }}"
+    "{% if tools %}<|system|>\nYou may call functions. Their signatures:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}{{ nl }}{% endfor %}</tools>\n"
+    "To call one, answer <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+    "</tool_call>{{ nl }}{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{% if message['content'] %}{{ message['content'] }}"
+    "{% endif %}{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "{% if not loop.first or message['content'] %}{{ nl }}{% endif %}"
+    "<tool_call>\n{\"name\": {{ call.function.name | tojson }}, \"arguments\": "
+    "{% if call.function.arguments is string %}{{ call.function.arguments }}{% else %}"
+    "{{ call.function.arguments | tojson }}{% endif %}}\n</tool_call>{% endfor %}{% endif %}{{ nl }}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -28,17 +28,19 @@ import llguidance.hf  # not llguidance.torch: importing it loads torch._dynamo (
 import torch
 
 Matcher = llguidance.LLMatcher
-GRAMMAR_KINDS = ("json_object", "json_schema")
+GRAMMAR_KINDS = ("json_object", "json_schema", "lark")
 # JSON as json.dumps writes it: ", " and ": " and no other whitespace. Free whitespace lets a weak
-# model pad until max_tokens without ever closing the object (vLLM offers the same switch).
+# model pad until max_tokens without ever closing the object (vLLM offers the same switch). A
+# schema inside a Lark grammar carries them as its "x-guidance" key.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
 class Grammar:
     """What a request's output must match. ``kind``: "json_object" (any JSON object; ``text`` is
-    empty) or "json_schema" (``text`` is the schema as JSON). ``field`` names the request field
-    it came from, for error messages."""
+    empty), "json_schema" (``text`` is the schema as JSON) or "lark" (``text`` is a grammar in
+    llguidance's Lark syntax, which may embed schemas: tool calls, deployments/tool_calls.py).
+    ``field`` names the request field it came from, for error messages."""
 
     kind: str
     text: str = ""
@@ -54,6 +56,8 @@ class Grammar:
 
     def source(self) -> str:
         """The grammar in llguidance's form (no tokenizer needed)."""
+        if self.kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(self.text)
         schema = self.text if self.kind == "json_schema" else json.dumps({"type": "object"})
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)

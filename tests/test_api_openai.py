@@ -1,14 +1,10 @@
 """The OpenAI-compatible API on the PD and colocated apps, through the official openai client."""
 
 import base64
-import json
-from typing import Literal
 
 import httpx
-import jsonschema
 import numpy as np
 import openai
-import pydantic
 import pytest
 from ray import serve
 from transformers import AutoTokenizer
@@ -194,7 +190,9 @@ def test_errors_come_as_the_clients_exception_classes(base_url):
     for kwargs, param in [({"temperature": 2.5}, "temperature"), ({"max_tokens": CAP + 1}, "max_tokens"),
                           ({"response_format": {"type": "json_schema", "json_schema": {
                               "name": "x", "schema": {"type": "nope"}}}}, "response_format.json_schema.schema"),
-                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                          ({"tools": [{"type": "function", "function": {"name": "f"}}],
+                            "tool_choice": {"type": "function", "function": {"name": "g"}}},
+                           "tool_choice.function.name"),
                           ({"top_logprobs": 3}, "top_logprobs")]:
         with pytest.raises(openai.BadRequestError) as error:
             c.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
@@ -233,55 +231,3 @@ def test_openapi_documents_fields_with_ranges(base_url):
     temperature = components["ChatCompletionRequest"]["properties"]["temperature"]
     assert temperature["minimum"] == 0.0 and temperature["maximum"] == 2.0
     assert components["InferParameters"]["properties"]["priority"]["maximum"] == 5
-
-
-# ---- structured output (response_format) --------------------------------------------------
-
-
-class Pet(pydantic.BaseModel):
-    kind: Literal["cat", "dog"]
-    age: int = pydantic.Field(ge=0, le=30)
-    name: str = pydantic.Field(max_length=10)
-
-
-PET_SCHEMA = {**Pet.model_json_schema(), "additionalProperties": False}
-PET_FORMAT = {"type": "json_schema", "json_schema": {"name": "pet", "strict": True, "schema": PET_SCHEMA}}
-ASK = [{"role": "user", "content": "A pet, as JSON."}]
-
-
-@pytest.mark.parametrize("app", APPS)
-def test_openai_parse_returns_the_pydantic_model(base_url, app):
-    c = client(base_url, app)
-    for seed in (1, 2, 3):
-        completion = c.chat.completions.parse(model=MODEL, messages=ASK, response_format=Pet, seed=seed,
-                                              max_completion_tokens=CAP)
-        message = completion.choices[0].message
-        assert completion.choices[0].finish_reason == "stop" and isinstance(message.parsed, Pet), message.content
-
-
-def test_structured_output_is_the_same_in_pd_colocated_and_streamed(base_url):
-    answers = {}
-    for app in APPS:
-        for stream in (False, True):
-            created = client(base_url, app).chat.completions.create(
-                model=MODEL, messages=ASK, response_format=PET_FORMAT, seed=11, max_completion_tokens=CAP,
-                n=2, stream=stream)
-            if stream:
-                texts = {0: "", 1: ""}
-                for chunk in created:
-                    for choice in chunk.choices:
-                        texts[choice.index] += choice.delta.content or ""
-                answers[app, stream] = [texts[0], texts[1]]
-            else:
-                answers[app, stream] = [choice.message.content for choice in created.choices]
-    assert len(set(map(tuple, answers.values()))) == 1, answers
-    for text in answers["pd", False]:
-        jsonschema.validate(json.loads(text), PET_SCHEMA)
-
-
-def test_langchain_with_structured_output(base_url):
-    from langchain_openai import ChatOpenAI
-
-    chat = ChatOpenAI(model=MODEL, base_url=f"{base_url}/pd/v1", api_key="unused", max_tokens=CAP, seed=5)
-    pet = chat.with_structured_output(Pet, method="json_schema").invoke("A pet, as JSON.")
-    assert isinstance(pet, Pet)

@@ -38,6 +38,13 @@ def chat(**fields):
     return {"model": M, "messages": CHAT, **fields}
 
 
+def tool(name: str, properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": properties}}}
+
+
+TOOL = tool("f", {"a": {"type": "integer"}})
+
+
 def completion(**fields):
     return {"model": M, "prompt": "hello", **fields}
 
@@ -107,6 +114,24 @@ CASES = [
     ("/v1/chat/completions", chat(response_format={"type": "json_object", "json_schema": {
         "name": "x", "schema": {}}}), 400, "response_format.json_schema"),
     ("/v1/chat/completions", chat(tool_choice="required"), 400, "tool_choice"),
+    ("/v1/chat/completions", chat(tools=[TOOL] * 33), 400, "tools"),
+    ("/v1/chat/completions", chat(tools=[tool("f", {f"p{i}": {"type": "integer"} for i in range(16)})]), 400,
+     "tools.0.function.parameters"),
+    ("/v1/chat/completions", chat(tools=[tool("f", {"a": {"type": "nope"}})]), 400, "tools.0.function.parameters"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}]), 400, "tools.0.function.parameters"),
+    ("/v1/chat/completions", chat(tools=[tool("f b", {})]), 400, "tools.0.function.name"),
+    ("/v1/chat/completions", chat(tools=[TOOL, TOOL]), 400, "tools.1.function.name"),
+    ("/v1/chat/completions", chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), 400,
+     "tool_choice.function.name"),
+    ("/v1/chat/completions", chat(tools=[TOOL], response_format={"type": "json_object"}), 400, "response_format"),
+    ("/v1/chat/completions", chat(messages=[{"role": "tool", "content": "5"}]), 400, "messages.0.tool_call_id"),
+    ("/v1/chat/completions", chat(messages=[*CHAT, {"role": "tool", "content": "5", "tool_call_id": "c1"}]), 400,
+     "messages.1.tool_call_id"),
+    ("/v1/chat/completions", chat(messages=[{"role": "assistant", "content": None}]), 400, "messages.0.content"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400,
+     "messages.0.tool_calls"),
     ("/v1/chat/completions", chat(logit_bias={"abc": 1}), 400, "logit_bias"),
     ("/v1/chat/completions", chat(stream_options={"include_usage": True}), 400, "stream_options"),
     ("/v1/chat/completions", chat(priority=9), 400, "priority"),
