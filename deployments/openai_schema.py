@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema, field_validator, model_validator
+from pydantic import (Field, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema, field_validator,
+                      model_validator)
 
 from deployments.json_types import Seed, StrictModel, TokenId, only
 from engine.request import MAX_CHOICES
