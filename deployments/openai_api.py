@@ -95,11 +95,13 @@ class OpenAIFrontend:
         return [Choice(j, 0, len(prompt_ids), request, may_call_tools=tools is not None) for j in range(body.n)]
 
     def _chat_grammar(self, body: ChatCompletionRequest) -> Grammar | None:
-        """What the output must match: the tool-call grammar, response_format's, or nothing. Each
+        """What the output must match: the tool-call grammar, structured_outputs' or response_format's,
+        or nothing. Each
         schema is checked on its own, so a 400 names the one the grammar engine cannot use."""
         mode = body.tool_mode()
         if mode is None:
-            grammar = body.response_format.grammar() if body.response_format is not None else None
+            grammar = body.structured_outputs.grammar() if body.structured_outputs is not None else \
+                body.response_format.grammar() if body.response_format is not None else None
             self._check(grammar)
             return grammar
         if mode == "auto" and not template_has_tool_syntax(self.tokenizer.chat_template):
@@ -130,7 +132,10 @@ class OpenAIFrontend:
         logprobs = body.logprobs if body.logprobs is not None else (0 if made > body.n else None)
         scores_only = body.max_tokens == 0
         echo_logprobs = body.echo and body.logprobs is not None
-        params = self._params(body, logprobs, body.logprobs if echo_logprobs else None, 1 if scores_only else None)
+        grammar = body.structured_outputs.grammar() if body.structured_outputs is not None else None
+        self._check(grammar)
+        params = self._params(body, logprobs, body.logprobs if echo_logprobs else None, 1 if scores_only else None,
+                              grammar)
         choices = []
         for i, prompt in enumerate(body.prompts()):
             prompt_ids = self._prompt_ids(body, i, prompt)
@@ -228,8 +233,8 @@ class OpenAIFrontend:
             return {"role": "assistant", "content": c.text}, False
         content, parsed = parse_tool_calls(c.text)
         calls = message_tool_calls(parsed)
-        if not calls:
-            return {"role": "assistant", "content": c.text}, False
+        if not calls:  # text only (or a call cut off before its name, as a stream would show it)
+            return {"role": "assistant", "content": content}, False
         return {"role": "assistant", "content": content or None, "tool_calls": calls}, True
 
     def completion_response(self, response_id: str, made: list[Choice], returned: list[Choice], created: int,

@@ -48,6 +48,30 @@ class StreamOptions(StrictModel):
     include_obfuscation: Annotated[StrictBool, only(False, description="no obfuscation padding is added")] = False
 
 
+MAX_GRAMMAR_CHOICES = 256  # strings in structured_outputs.choice
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's extension for what response_format cannot say: the whole output matches a regular
+    expression, or is one of a list of strings. One of the two."""
+
+    regex: NonEmptyStr | None = Field(None, description="the whole output matches it (Rust regex syntax)")
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_GRAMMAR_CHOICES)] | None = Field(
+        None, description="the output is exactly one of these")
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.regex is None) == (self.choice is None):
+            raise ValueError("structured_outputs: give exactly one of regex and choice")
+        return self
+
+    def grammar(self) -> Grammar:
+        if self.regex is not None:
+            return Grammar("regex", self.regex, "structured_outputs.regex")
+        literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(self.choice))
+        return Grammar("lark", f"start: {literals}\n", "structured_outputs.choice")
+
+
 class SamplingFields(StrictModel):
     """Fields that chat and completions share."""
 
@@ -70,6 +94,8 @@ class SamplingFields(StrictModel):
     priority: StrictInt = Field(5, ge=1, le=5, description="1 is served first")
     timeout: StrictInt = Field(600, gt=0, le=3600, description="seconds, queueing and generation together")
     ignore_eos: StrictBool = False
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's extension: a regex or a choice list the output must match")
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -318,9 +344,13 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tool_choice: only allowed when tools are given")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice.function.name: no tool is named {self.tool_choice.function.name!r}")
-        if self.tool_mode() is not None and self.response_format is not None and self.response_format.type != "text":
+        structured = self.response_format is not None and self.response_format.type != "text"
+        if self.tool_mode() is not None and structured:
             raise ValueError("response_format: cannot be combined with tools unless tool_choice is 'none' "
                              "(a call's arguments already follow their schema)")
+        if self.structured_outputs is not None and (structured or self.tool_mode() is not None):
+            raise ValueError("structured_outputs: cannot be combined with response_format other than text, nor "
+                             "with tools unless tool_choice is 'none' (one grammar per output)")
         tool_call_ids = set()
         for i, message in enumerate(self.messages):
             tool_call_ids |= {call.id for call in message.tool_calls or []}

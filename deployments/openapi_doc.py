@@ -89,6 +89,9 @@ def add_rules_across_fields(schemas: dict) -> None:
     streaming = _when("stream_options", {"type": "object"}, _must("stream", True))
     chat["allOf"] = [streaming, _when("top_logprobs", {"type": "integer"}, _must("logprobs", True)), *_tool_rules()]
     schemas["ChatMessage"]["allOf"] = _message_rules()
+    schemas["StructuredOutputs"]["anyOf"] = [  # exactly one of regex and choice
+        {"required": [one], "properties": {one: {"type": kind}, other: {"type": "null"}}}
+        for one, kind, other in (("regex", "string", "choice"), ("choice", "array", "regex"))]
     parameters = schemas["FunctionDefinition"]["properties"]["parameters"]["anyOf"][0]
     parameters["properties"] = {"type": {"const": "object"}, "properties": {"type": "object", "maxProperties": 15}}
     completion["allOf"] = [streaming, _when("max_tokens", {"const": 0}, _must("echo", True)),
@@ -98,14 +101,18 @@ def add_rules_across_fields(schemas: dict) -> None:
 
 
 def _tool_rules() -> list[dict]:
-    """tool_choice other than none needs tools; response_format other than text only where no
-    tool may be called."""
+    """tool_choice other than none needs tools; response_format other than text, and
+    structured_outputs, only where no tool may be called; structured_outputs only with a text
+    response_format."""
     no_tools = {"anyOf": [{"properties": {"tools": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}},
                           _must("tool_choice", "none")]}
     structured = {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
+    text_only = {"properties": {"response_format": {"anyOf": [{"type": "null"}, {"properties": {
+        "type": {"const": "text"}}}]}}}
     return [_when("tool_choice", {"not": {"enum": ["none", None]}},
                   {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}),
-            _when("response_format", structured, no_tools)]
+            _when("response_format", structured, no_tools),
+            _when("structured_outputs", {"type": "object"}, {"allOf": [no_tools, text_only]})]
 
 
 def _message_rules() -> list[dict]:

@@ -34,7 +34,7 @@ def template_has_tool_syntax(chat_template: object) -> bool:
     return any(isinstance(t, str) and "<tool_call>" in t for t in templates)
 
 
-def tools_grammar(functions: dict[str, dict], choice: str | None, parallel: bool) -> Grammar:
+def tools_grammar(functions: dict[str, dict], choice: str, parallel: bool) -> Grammar:
     """The grammar of an output that calls ``functions`` (name -> parameters schema).
     ``choice``: "auto", "required", or a function's name (that function only)."""
     names = [choice] if choice not in ("auto", "required") else list(functions)

@@ -34,7 +34,7 @@ from engine.outputs import (ABORT, EOS, LENGTH, STOP, TIMEOUT, ChoiceStart, Pref
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
 from engine.scheduler import ScheduledBatch, Scheduler
 from sampling import SamplerOutput, SamplingParams, SamplingRow
-from sampling.grammar import GrammarCompiler, Matcher, MatcherState
+from sampling.grammar import GrammarCompiler, GrammarDeadEnd, Matcher, MatcherState
 from sampling.params import MAX_SEED, choice_seed
 
 logger = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class LLMEngine:
             entry = self._matchers[seq.key] = MatcherState(self.grammars.matcher(seq.params.grammar, []))
         new = seq.output_ids[entry.consumed:]
         if new and not entry.matcher.consume_tokens(new):  # the mask allowed them: only a bug gets here
-            raise RuntimeError(f"grammar matcher refused tokens {new}: {entry.matcher.get_error()}")
+            raise GrammarDeadEnd(f"grammar: the matcher refused tokens {new}: {entry.matcher.get_error()}")
         entry.consumed += len(new)
         return entry.matcher
 
@@ -252,7 +252,11 @@ class LLMEngine:
             seq.cumulative_logprob += logprob.logprob
         logprobs = [logprob] if logprob else []
         text, stopped = self._detokenizers[seq.key].add(token)
-        reason = self._finish_reason(seq, token, self._grammar_complete(seq) or stopped)
+        try:
+            complete = self._grammar_complete(seq)
+        except GrammarDeadEnd as error:
+            return self._finish(seq, ABORT, [token], text, logprobs, error=str(error))
+        reason = self._finish_reason(seq, token, complete or stopped)
         if reason is not None:
             return self._finish(seq, reason, [token], text, logprobs)
         return [self._output(seq, [token], text, logprobs, finished=False)]

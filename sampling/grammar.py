@@ -28,7 +28,7 @@ import llguidance.hf  # not llguidance.torch: importing it loads torch._dynamo (
 import torch
 
 Matcher = llguidance.LLMatcher
-GRAMMAR_KINDS = ("json_object", "json_schema", "lark")
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark")
 # JSON as json.dumps writes it: ", " and ": " and no other whitespace. Free whitespace lets a weak
 # model pad until max_tokens without ever closing the object (vLLM offers the same switch). A
 # schema inside a Lark grammar carries them as its "x-guidance" key.
@@ -38,8 +38,9 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 @dataclass(frozen=True)
 class Grammar:
     """What a request's output must match. ``kind``: "json_object" (any JSON object; ``text`` is
-    empty), "json_schema" (``text`` is the schema as JSON) or "lark" (``text`` is a grammar in
-    llguidance's Lark syntax, which may embed schemas: tool calls, deployments/tool_calls.py).
+    empty), "json_schema" (``text`` is the schema as JSON), "regex" (``text`` is a regular
+    expression the whole output matches) or "lark" (``text`` is a grammar in llguidance's Lark
+    syntax, which may embed schemas: tool calls, deployments/tool_calls.py; choice lists).
     ``field`` names the request field it came from, for error messages."""
 
     kind: str
@@ -58,11 +59,18 @@ class Grammar:
         """The grammar in llguidance's form (no tokenizer needed)."""
         if self.kind == "lark":
             return llguidance.LLMatcher.grammar_from_lark(self.text)
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.text)
         schema = self.text if self.kind == "json_schema" else json.dumps({"type": "object"})
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         except ValueError as error:
             raise ValueError(f"{self.field}: not a JSON object: {error}") from None
+
+
+class GrammarDeadEnd(RuntimeError):
+    """A matcher refused a token its own mask allowed: the request cannot go on (never seen;
+    the engine ends that request alone rather than its whole batch)."""
 
 
 @dataclass
@@ -78,7 +86,7 @@ def check_grammar(grammar: Grammar) -> None:
     unsupported keyword, an impossible schema). Needs no model: the API layer calls it."""
     error = llguidance.LLMatcher.validate_grammar(grammar.source())
     if error:
-        raise ValueError(f"{grammar.field}: the grammar engine cannot use this schema: {_first_line(error)}")
+        raise ValueError(f"{grammar.field}: the grammar engine cannot use it: {_first_line(error)}")
 
 
 def _first_line(message: str) -> str:
@@ -111,8 +119,12 @@ class GrammarCompiler:
             return
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar.source(), log_level=0)
         if matcher.is_error():
-            raise ValueError(f"{grammar.field}: the grammar engine cannot use this schema: "
+            raise ValueError(f"{grammar.field}: the grammar engine cannot use it: "
                              f"{_first_line(matcher.get_error())}")
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():  # an empty language: no first token (e.g. the regex [^\s\S])
+            raise ValueError(f"{grammar.field}: the grammar engine cannot use it: no output matches it")
         with self._lock:
             self._compiled[grammar.digest] = matcher
 

@@ -3,6 +3,7 @@ people use: openai (``parse``, pydantic function tools), LangChain (``with_struc
 ``bind_tools``)."""
 
 import json
+import re
 from typing import Literal
 
 import jsonschema
@@ -85,6 +86,22 @@ def test_structured_output_is_the_same_in_pd_colocated_and_streamed(base_url):
 def test_langchain_with_structured_output_by_json_schema(base_url):
     pet = chat_model(base_url, seed=5).with_structured_output(Pet, method="json_schema").invoke("A pet, as JSON.")
     assert isinstance(pet, Pet)
+
+
+def test_regex_and_choice_extensions_on_chat_and_completions(base_url):
+    for app in APPS:
+        c = client(base_url, app)
+        chat = c.chat.completions.create(model=MODEL, messages=ASK, seed=3, max_completion_tokens=CAP,
+                                         extra_body={"structured_outputs": {"choice": ["cat", "dog", "Köln"]}})
+        assert chat.choices[0].message.content in ("cat", "dog", "Köln")
+        assert chat.choices[0].finish_reason == "stop"
+        done = c.completions.create(model=MODEL, prompt="Order no. ", seed=4, max_tokens=CAP, n=3,
+                                    extra_body={"structured_outputs": {"regex": r"[A-Z]{2}-[0-9]{4}"}})
+        assert all(re.fullmatch(r"[A-Z]{2}-[0-9]{4}", choice.text) for choice in done.choices), done
+    with pytest.raises(openai.BadRequestError) as error:
+        client(base_url, "pd").completions.create(model=MODEL, prompt="x", extra_body={
+            "structured_outputs": {"regex": r"[^\s\S]"}})
+    assert error.value.body["param"] == "structured_outputs.regex"
 
 
 # ---- tool calls ----------------------------------------------------------------------------

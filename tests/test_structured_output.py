@@ -2,13 +2,14 @@
 one engine or through P and D, with n choices and beside unconstrained batch mates."""
 
 import json
+import re
 
 import jsonschema
 import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import LENGTH, STOP
+from engine.outputs import EOS, LENGTH, STOP
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 from sampling.grammar import Grammar, check_grammar
@@ -117,3 +118,18 @@ def test_bad_schemas_are_refused_naming_the_field():
                               "response_format.json_schema.schema"))
     with pytest.raises(ValueError, match=r"^min_new_tokens: "):
         SamplingParams(min_new_tokens=3, grammar=JSON_OBJECT)
+
+
+def test_regex_and_choice_extensions_for_every_seed(engine):
+    regex = Grammar("regex", r"[0-9]{3}-[a-z]{2,4}( ok)?")
+    choice = Grammar("lark", 'start: "Köln" | "Zürich" | "東京" | "a\\"b"\n')
+    for grammar, accept in ((regex, lambda t: re.fullmatch(regex.text, t)),
+                            (choice, lambda t: t in ("Köln", "Zürich", "東京", 'a"b'))):
+        outs = engine.generate(requests(grammar, max_new_tokens=30)).values()
+        assert all(out.finish_reason in (STOP, EOS) and accept(out.text) for out in outs), [o.text for o in outs]
+        assert len({out.text for out in outs}) > 1  # sampled, not forced to one answer
+
+
+def test_a_grammar_nothing_matches_is_refused_before_it_runs(engine):
+    with pytest.raises(ValueError, match=r"^structured_outputs.regex: .*no output matches it"):
+        engine.grammars.check(Grammar("regex", r"[^\s\S]", "structured_outputs.regex"))
