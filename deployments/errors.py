@@ -1,16 +1,23 @@
-"""Error bodies in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Error bodies in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, and what a
+client is told of a failure (``client_error``): a status it can act on and a message with
+nothing of Ray's in it; the cause goes to the server log."""
 
 from __future__ import annotations
+
+import logging
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayError, RayTaskError
+from ray.serve.exceptions import RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-         413: "invalid_request_error", 503: "service_unavailable_error"}
+         413: "invalid_request_error", 503: "service_unavailable_error", 504: "timeout_error"}
+REPLICA_RETRY_AFTER_S = 1  # Retry-After of a 503 when a replica failed: Serve routes around it, or restarts it
+logger = logging.getLogger("ray.serve")
 
 
 class ErrorDetail(BaseModel):
@@ -32,9 +39,18 @@ def documented(*statuses: int) -> dict:
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -48,6 +64,25 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 def root_cause(error: BaseException) -> BaseException:
     """The exception a replica raised, without Ray's wrapper around it."""
     return error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
+
+
+def client_error(error: BaseException) -> APIError:
+    """What the client is told of ``error``; anything but a request error is logged with its cause
+    (Serve's log lines carry the request id). Ray's text (exception names, pids, node addresses,
+    tracebacks) never reaches a client."""
+    cause = root_cause(error)
+    if isinstance(cause, APIError):
+        return cause
+    if isinstance(cause, ValueError):  # the engines' checks of a request: "<field>: <rule>"
+        return from_value_error(cause)
+    logger.warning("request failed: %s: %s", type(cause).__name__, cause)
+    if isinstance(cause, (RayError, RayServeException)):  # a replica died, is unreachable, lost an object
+        return APIError(503, "a replica serving this request failed or is unavailable; retry it",
+                        code="replica_unavailable", retry_after=REPLICA_RETRY_AFTER_S)
+    if isinstance(cause, TimeoutError):
+        return APIError(504, "the engines did not answer in time; retry it", code="engine_timeout")
+    return APIError(500, "the server failed while serving this request; its log has the cause under the "
+                         "request's x-request-id", code="internal_error")
 
 
 def from_value_error(error: ValueError) -> APIError:
@@ -67,7 +102,12 @@ async def on_http_error(_: Request, error: StarletteHTTPException) -> JSONRespon
 
 
 async def on_api_error(_: Request, error: APIError) -> JSONResponse:
-    return error_response(error.status, error.message, error.param, error.code)
+    return error.response()
+
+
+async def on_unexpected_error(_: Request, error: Exception) -> JSONResponse:
+    """Any other exception out of a route, in OpenAI's shape with nothing of Ray's in it."""
+    return client_error(error).response()
 
 
 # Parts of a pydantic error location that name a member of a union, not a field.

@@ -17,6 +17,8 @@ import time
 import uuid
 
 from ray import serve
+from ray.exceptions import RayError
+from ray.serve.exceptions import RayServeException
 
 from deployments.errors import root_cause
 from engine.request import PRIORITY_MIN, GenerationRequest
@@ -51,10 +53,13 @@ def canary_request(timeout_s: float) -> GenerationRequest:
 
 
 def describe(error: BaseException) -> str:
-    """An error's type and, for our own checks (ValueError), its message; never Ray's internals."""
+    """An error's type and, for our own checks (ValueError), its message; never Ray's internals
+    (not even their exception names)."""
     cause = root_cause(error)
     if isinstance(cause, (asyncio.TimeoutError, TimeoutError)):
         return "no answer in time"
+    if isinstance(cause, (RayError, RayServeException)):
+        return "a replica failed or is unreachable"
     return f"{type(cause).__name__}: {cause}" if isinstance(cause, ValueError) else type(cause).__name__
 
 

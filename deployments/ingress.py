@@ -26,8 +26,8 @@ from transformers import AutoTokenizer
 from deployments import mindie
 from deployments.backends import ColocatedBackend, PDBackend, merge
 from deployments.config import AppArgs
-from deployments.errors import (APIError, documented, error_body, error_response, from_value_error, on_api_error,
-                                 on_http_error, on_validation_error, root_cause)
+from deployments.errors import (APIError, client_error, documented, error_response, on_api_error, on_http_error,
+                                 on_unexpected_error, on_validation_error)
 from deployments.health import Readiness, describe
 from deployments.metrics import IngressMetrics
 from deployments.openai_api import Choice, OpenAIFrontend, now_seconds
@@ -45,6 +45,7 @@ app = FastAPI(title="pdserve", description="LLM serving with prefill/decode disa
 app.add_exception_handler(APIError, on_api_error)
 app.add_exception_handler(RequestValidationError, on_validation_error)
 app.add_exception_handler(StarletteHTTPException, on_http_error)
+app.add_exception_handler(Exception, on_unexpected_error)
 
 ENGINE_WAIT_S = 5.0  # the longest any endpoint waits for a deployment's info before a 503
 SSE = "text/event-stream"
@@ -109,8 +110,9 @@ def encode_embedding(vector: list[float], encoding_format: str) -> list[float] |
     return vector
 
 
-def error_event(error: BaseException) -> str:
-    return json.dumps(error_body(500, str(error), None, "stream_error"))
+def openai_error_events(error: BaseException) -> str:
+    """How an OpenAI stream that has begun ends on a failure: the error in OpenAI's shape, then [DONE]."""
+    return f"data: {json.dumps(client_error(error).body())}\n\ndata: [DONE]\n\n"
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -177,10 +179,7 @@ class Ingress:
             first = await stream.__anext__()
         except Exception as error:
             await stream.aclose()
-            cause = root_cause(error)
-            if isinstance(cause, ValueError):
-                raise from_value_error(cause) from None
-            raise
+            raise client_error(error) from None
         if first.finished and first.finish_reason == TIMEOUT and not first.new_token_ids:
             await stream.aclose()
             raise APIError(408, "the request's timeout passed before its first token", "timeout", "timeout")
@@ -215,7 +214,7 @@ class Ingress:
             request = mindie.to_generation_request(body, f"infer-{uuid.uuid4().hex}",
                                                    http.state.arrival + body.parameters.timeout, info.vocab_size)
         except ValueError as error:
-            raise from_value_error(error) from None
+            raise client_error(error) from None
         first, stream, trace = await self.start(request, http, "mindie")
         if body.stream:
             return StreamingResponse(self._infer_token_events(first, stream, body, trace), media_type=SSE)
@@ -228,12 +227,14 @@ class Ingress:
     async def _infer_token_events(self, first: RequestOutput, stream: AsyncIterator[RequestOutput],
                                   body: mindie.InferTokenRequest, trace: RequestTrace) -> AsyncIterator[str]:
         """prefill_time: arrival to the first token; decode_time: since the previous token (the trace's clock)."""
+        sent = [first]
         try:
             yield mindie.stream_event(first, body, True, trace.phases().get("ttft", 0.0) * 1000.0)
             async for output in stream:
+                sent.append(output)
                 yield mindie.stream_event(output, body, False, trace.last_gap * 1000.0)
-        except Exception as error:  # the stream has begun: end it with an error event
-            yield f"data: {error_event(root_cause(error))}\n\n"
+        except Exception as error:  # the stream has begun: end it with MindIE's last event, err_msg set
+            yield mindie.error_event(sent, client_error(error).message)
         finally:
             await stream.aclose()  # a client that went away cancels the engines' call at once
 
@@ -278,7 +279,7 @@ class Ingress:
                     yield event
             yield writer.close()
         except Exception as error:  # the stream has begun: end it with an error event
-            yield f"data: {error_event(root_cause(error))}\n\n"
+            yield openai_error_events(error)
         finally:
             await merged.aclose()
 
@@ -293,10 +294,7 @@ class Ingress:
         try:
             result = await self.embedder.embed.remote(body.inputs())
         except Exception as error:
-            cause = root_cause(error)
-            if isinstance(cause, ValueError):
-                raise from_value_error(cause) from None
-            raise
+            raise client_error(error) from None
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "model": name,
                 "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(v, body.encoding_format)}
                          for i, v in enumerate(result.vectors)],

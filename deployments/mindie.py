@@ -125,6 +125,16 @@ def stream_event(output: RequestOutput, body: InferTokenRequest, first: bool, el
     return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
+def error_event(sent: list[RequestOutput], err_msg: str) -> str:
+    """The last event of a stream that failed after it began: what was generated so far, and
+    ``finish_reason`` stop_sequence with ``err_msg`` (MindIE's form for an error)."""
+    event = {"prefill_time": None, "decode_time": None, "token": None,
+             "generated_text": "".join(o.new_text for o in sent),
+             "details": {"finish_reason": "stop_sequence", "generated_tokens": sum(len(o.new_token_ids) for o in sent),
+                         "seed": sent[-1].seed, "err_msg": err_msg}}
+    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
 def _token(token_id: int, text: str | None, logprob) -> dict:
     token = {"id": token_id, "text": text}
     if logprob is not None:
