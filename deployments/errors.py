@@ -16,6 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
          413: "invalid_request_error", 503: "service_unavailable_error", 504: "timeout_error"}
+# What Ray and Serve raise when a replica died, is unreachable or lost an object.
+REPLICA_FAILURES = (RayError, RayServeException)
 REPLICA_RETRY_AFTER_S = 1  # Retry-After of a 503 when a replica failed: Serve routes around it, or restarts it
 logger = logging.getLogger("ray.serve")
 
@@ -76,7 +78,7 @@ def client_error(error: BaseException) -> APIError:
     if isinstance(cause, ValueError):  # the engines' checks of a request: "<field>: <rule>"
         return from_value_error(cause)
     logger.warning("request failed: %s: %s", type(cause).__name__, cause)
-    if isinstance(cause, (RayError, RayServeException)):  # a replica died, is unreachable, lost an object
+    if isinstance(cause, REPLICA_FAILURES):
         return APIError(503, "a replica serving this request failed or is unavailable; retry it",
                         code="replica_unavailable", retry_after=REPLICA_RETRY_AFTER_S)
     if isinstance(cause, TimeoutError):

@@ -17,10 +17,8 @@ import time
 import uuid
 
 from ray import serve
-from ray.exceptions import RayError
-from ray.serve.exceptions import RayServeException
 
-from deployments.errors import root_cause
+from deployments.errors import REPLICA_FAILURES, root_cause
 from engine.request import PRIORITY_MIN, GenerationRequest
 from sampling.params import SamplingParams
 
@@ -58,7 +56,7 @@ def describe(error: BaseException) -> str:
     cause = root_cause(error)
     if isinstance(cause, (asyncio.TimeoutError, TimeoutError)):
         return "no answer in time"
-    if isinstance(cause, (RayError, RayServeException)):
+    if isinstance(cause, REPLICA_FAILURES):
         return "a replica failed or is unreachable"
     return f"{type(cause).__name__}: {cause}" if isinstance(cause, ValueError) else type(cause).__name__
 

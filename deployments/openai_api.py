@@ -96,8 +96,8 @@ class OpenAIFrontend:
 
     def _chat_grammar(self, body: ChatCompletionRequest) -> Grammar | None:
         """What the output must match: the tool-call grammar, structured_outputs' or response_format's,
-        or nothing. Each
-        schema is checked on its own, so a 400 names the one the grammar engine cannot use."""
+        or nothing. Each schema is checked on its own, so a 400 names the one the grammar engine
+        cannot use."""
         mode = body.tool_mode()
         if mode is None:
             grammar = body.structured_outputs.grammar() if body.structured_outputs is not None else \
@@ -108,10 +108,11 @@ class OpenAIFrontend:
             raise APIError(400, "tool_choice: 'auto' lets the model choose to call a tool in its own syntax, and "
                                 "this model's chat template has no tool-call syntax this server reads (Hermes' "
                                 "<tool_call>); send 'required' or a named function", "tool_choice", "unsupported")
-        for j, (name, parameters) in enumerate(body.function_parameters().items()):
+        functions = body.function_parameters()
+        for j, parameters in enumerate(functions.values()):
             self._check(Grammar("json_schema", json.dumps(parameters, sort_keys=True),
                                 f"tools.{j}.function.parameters"))
-        grammar = tools_grammar(body.function_parameters(), mode, parallel=body.parallel_tool_calls is not False)
+        grammar = tools_grammar(functions, mode, parallel=body.parallel_tool_calls is not False)
         self._check(grammar)
         return grammar
 

@@ -26,7 +26,7 @@ MAX_STOP = 16  # stop strings per request
 MAX_BATCH_PROMPTS = 64  # prompts in one completions request, inputs in one embeddings request
 MAX_TOOLS = 32  # Databricks' limits (seeds/002)
 MAX_TOOL_PROPERTIES = 15  # properties of one function's parameters
-FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # a function's or a response schema's name (OpenAI's rule)
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # A completion's prompt, an embedding's input: one or a batch, of text or of token ids.
@@ -126,7 +126,7 @@ TEXT_PARTS_SCHEMA = {"type": "array", "minItems": 1, "items": {
 
 
 class CalledFunction(StrictModel):
-    name: StrictStr = Field(pattern=FUNCTION_NAME_PATTERN)
+    name: StrictStr = Field(pattern=NAME_PATTERN)
     arguments: StrictStr = Field(description="the arguments as a JSON string, as the assistant wrote them")
 
 
@@ -200,7 +200,7 @@ def _json_or_text(text: str) -> Any:
 
 
 class FunctionDefinition(StrictModel):
-    name: StrictStr = Field(pattern=FUNCTION_NAME_PATTERN)
+    name: StrictStr = Field(pattern=NAME_PATTERN)
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = Field(
         None, description=f"a JSON Schema of the arguments object, at most {MAX_TOOL_PROPERTIES} properties; "
@@ -240,7 +240,7 @@ class NamedToolChoice(StrictModel):
 
 
 class JsonSchemaFormat(StrictModel):
-    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    name: StrictStr = Field(pattern=NAME_PATTERN)
     description: StrictStr | None = None
     schema_: dict[str, Any] = Field(alias="schema", description="the JSON Schema the output must validate against")
     strict: StrictBool | None = Field(None, description="either way the output follows the schema exactly")

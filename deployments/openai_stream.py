@@ -69,14 +69,16 @@ class StreamWriter:
                          **delta}
                 first = False
             last = output.finished and j == len(deltas) - 1
-            called = choice.may_call_tools and self._tool_stream(position).called
-            finish = self.front.finish_reason(output, choice.scores_only, called) if last else None
+            finish = self.front.finish_reason(output, choice.scores_only, self._called(position)) if last else None
             body = {"index": choice.index, "delta": delta, "finish_reason": finish}
             if entries:
                 body["logprobs"] = self.front.chat_logprobs(entries)
                 entries = []
             events += self._chunk([body])
         return events
+
+    def _called(self, position: int) -> bool:
+        return self.choices[position].may_call_tools and self._tool_stream(position).called
 
     def _tool_stream(self, position: int) -> ToolCallStream:
         return self._tools.setdefault(position, ToolCallStream())

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from deployments.openai_schema import MAX_TOOL_PROPERTIES
 from deployments.servers import ModelInfo
 from sampling.params import MAX_SEED
 
@@ -93,7 +94,8 @@ def add_rules_across_fields(schemas: dict) -> None:
         {"required": [one], "properties": {one: {"type": kind}, other: {"type": "null"}}}
         for one, kind, other in (("regex", "string", "choice"), ("choice", "array", "regex"))]
     parameters = schemas["FunctionDefinition"]["properties"]["parameters"]["anyOf"][0]
-    parameters["properties"] = {"type": {"const": "object"}, "properties": {"type": "object", "maxProperties": 15}}
+    parameters["properties"] = {"type": {"const": "object"},
+                                "properties": {"type": "object", "maxProperties": MAX_TOOL_PROPERTIES}}
     completion["allOf"] = [streaming, _when("max_tokens", {"const": 0}, _must("echo", True)),
                            _when("stream", {"const": True}, {"properties": {"best_of": {"enum": [None, 1]}}})]
     token_input = {"type": "array", "items": {"type": ["integer", "array"]}}
