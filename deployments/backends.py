@@ -8,11 +8,14 @@ where leaving the engine's stream aborts the request and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle
 
-from deployments.tracing import KVTransfer, RequestTrace
+from deployments.errors import KVLeaseExpired
+from deployments.servers import PrefillReply
+from deployments.tracing import RequestTrace
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
 
@@ -38,35 +41,59 @@ class ColocatedBackend:
 class PDBackend:
     """The ingress orchestrates: P runs the prompt and returns each choice's first token at
     once; the ingress hands them to the client, then calls D with P's reply. P's KV goes from P to D
-    through Ray's object store: only its ObjectRef passes through here."""
+    through Ray's object store: only its ObjectRef passes through here.
 
-    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle) -> None:
+    The ingress owns that object (it is an item of its call to P), so it outlives P's replica, and
+    it is freed when the request ends, however it ends. D must fetch it within ``kv_lease_s``;
+    a D that does not (stalled, or never reached) has its call cancelled and the request fails
+    with ``KVLeaseExpired``, a replica failure: deployments/migration.py prefills it again."""
+
+    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, kv_lease_s: float) -> None:
         self.prefill, self.decode = prefill, decode
+        self.kv_lease_s = kv_lease_s
         self.handles = {"PrefillServer": prefill, "DecodeServer": decode}
 
     async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None
                      ) -> AsyncIterator[RequestOutput]:
         """P's outputs, then D's; ``trace`` learns each engine's times and the KV fetch."""
-        response = self.prefill.prefill.remote(request)
-        try:
-            reply = await response
-        except asyncio.CancelledError:
-            response.cancel()
-            raise
+        reply = await self.prefill_step(request)
         for output in reply.outputs:
             if trace:
                 trace.record_prefill(output)
             yield output
-        if reply.handoff is None:
-            return
-        async for item in _cancel_on_exit(self.decode.options(stream=True).decode.remote(request, reply)):
-            if isinstance(item, KVTransfer):
-                if trace:
-                    trace.record_kv(item)
-                continue
+        if reply.handoff is not None:
+            async with aclosing(self.decode_step(request, reply, trace)) as outputs:
+                async for output in outputs:
+                    yield output
+
+    async def prefill_step(self, request: GenerationRequest) -> PrefillReply:
+        """P's reply, with a reference to its KV item (owned here) when D is to go on."""
+        call = self.prefill.options(stream=True).prefill.remote(request)
+        try:
+            items = await call._to_object_ref_gen()  # references to P's items, not their bytes
+            reply: PrefillReply = await (await anext(items))
+            if reply.handoff is not None:
+                reply.kv_ref = [await anext(items)]
+            return reply
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+
+    async def decode_step(self, request: GenerationRequest, reply: PrefillReply, trace: RequestTrace | None = None
+                          ) -> AsyncIterator[RequestOutput]:
+        """D's outputs after P's ``reply``; KVLeaseExpired if D has not fetched the KV within the lease."""
+        async with aclosing(_cancel_on_exit(self.decode.options(stream=True).decode.remote(request, reply))) as items:
+            try:
+                transfer = await asyncio.wait_for(anext(items), self.kv_lease_s)  # D's first item: it has the KV
+            except TimeoutError:
+                raise KVLeaseExpired(f"decode did not fetch the KV within its {self.kv_lease_s:g} s lease") from None
             if trace:
-                trace.record_decode(item)
-            yield item
+                trace.record_kv(transfer)
+            reply.kv_ref.clear()  # D has the bytes; its call holds its own reference until it ends
+            async for output in items:
+                if trace:
+                    trace.record_decode(output)
+                yield output
 
 
 async def _cancel_on_exit(responses) -> AsyncIterator[RequestOutput]:

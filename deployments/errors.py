@@ -16,8 +16,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
          413: "invalid_request_error", 503: "service_unavailable_error", 504: "timeout_error"}
-# What Ray and Serve raise when a replica died, is unreachable or lost an object.
-REPLICA_FAILURES = (RayError, RayServeException)
+
+
+class KVLeaseExpired(Exception):
+    """D did not fetch a request's KV within its lease (deployments/backends.py PDBackend)."""
+
+
+# What Ray and Serve raise when a replica died, is unreachable or lost an object; and a D that
+# did not take its KV in time, which the ingress treats the same way.
+REPLICA_FAILURES = (RayError, RayServeException, KVLeaseExpired)
 REPLICA_RETRY_AFTER_S = 1  # Retry-After of a 503 when a replica failed: Serve routes around it, or restarts it
 logger = logging.getLogger("ray.serve")
 
@@ -66,6 +73,12 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 def root_cause(error: BaseException) -> BaseException:
     """The exception a replica raised, without Ray's wrapper around it."""
     return error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
+
+
+def replica_failed(error: BaseException) -> bool:
+    """Whether ``error`` says a replica died, is unreachable or lost an object the request needed
+    (deployments/migration.py moves the request), not that the request itself was refused."""
+    return isinstance(root_cause(error), REPLICA_FAILURES)
 
 
 def client_error(error: BaseException) -> APIError:

@@ -30,6 +30,7 @@ from deployments.errors import (APIError, client_error, documented, error_respon
                                  on_unexpected_error, on_validation_error)
 from deployments.health import Readiness, describe
 from deployments.metrics import IngressMetrics
+from deployments.migration import migrating
 from deployments.openai_api import Choice, OpenAIFrontend, now_seconds
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from deployments.openai_stream import StreamWriter
@@ -120,7 +121,7 @@ def openai_error_events(error: BaseException) -> str:
 class Ingress:
     def __init__(self, args: AppArgs, llm=None, prefill=None, decode=None, embedder=None) -> None:
         self.args = args
-        self.backend = ColocatedBackend(llm) if llm is not None else PDBackend(prefill, decode)
+        self.backend = ColocatedBackend(llm) if llm is not None else PDBackend(prefill, decode, args.kv_lease_s)
         self.embedder = embedder
         self.metrics = IngressMetrics()
         self.spans = SpanWriter(args.traces_exporter) if args.traces_exporter != "none" else None
@@ -174,7 +175,11 @@ class Ingress:
         request's trace ends with its stream."""
         trace = RequestTrace(http.headers.get("x-request-id") or uuid.uuid4().hex, request.request_id, dialect,
                              request.priority, len(request.prompt_token_ids), http.state.arrival)
-        stream = traced(self.backend.stream(request, trace), trace, self.end_trace)
+        def on_migrate() -> None:
+            trace.migrations += 1
+
+        resilient = migrating(lambda r: self.backend.stream(r, trace), request, self.args.max_migrations, on_migrate)
+        stream = traced(resilient, trace, self.end_trace)
         try:
             first = await stream.__anext__()
         except Exception as error:

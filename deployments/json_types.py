@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, WithJsonSchema, model_validator
 
 from sampling.params import MAX_SEED
+
+# Characters that Python's str.splitlines (and so httpx's iter_lines, and clients built on it) takes
+# for line ends, besides \n and \r, which JSON always escapes: escaped too, so that an event of
+# generated text never splits in two.
+_LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
+def sse_event(body: dict) -> str:
+    """One server-sent event of JSON: non-ASCII text as itself, every line-break character escaped."""
+    return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+
 
 # uint64 in (0, 2^64 - 1]; deployments/openapi_doc.py writes its bound exactly.
 Seed = Annotated[StrictInt, Field(gt=0, le=MAX_SEED)]

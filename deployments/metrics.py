@@ -59,6 +59,8 @@ class IngressMetrics:
                                  ["deployment"], registry=r)
         self.prompt_computed = Gauge("pdserve_prompt_tokens_computed", "prompt tokens run through the model "
                                      "(not prefix hits, not imported KV)", ["deployment"], registry=r)
+        self.migrations = Counter("pdserve_request_migrations", "times a request moved to another replica after "
+                                  "the one serving it failed", registry=r)
         self.kv_bytes = Gauge("pdserve_kv_bytes_moved", "KV bytes moved from P to D", registry=r)
         self.kv_transfers = Gauge("pdserve_kv_transfers", "KV transfers from P to D", registry=r)
 
@@ -77,6 +79,7 @@ class IngressMetrics:
         if "decode" in phases:
             self.tpot.observe(phases["decode"] / (trace.output_tokens - 1))
         self.e2e.observe(time.time() - trace.arrival)
+        self.migrations.inc(trace.migrations)
 
     async def render(self, handles: dict) -> bytes:
         """Refresh the engine gauges from the deployments, then the text exposition."""

@@ -9,12 +9,11 @@ GenerationRequest, and the response shapes: one JSON object, or server-sent even
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
-from deployments.json_types import Seed, StrictModel, TokenId
+from deployments.json_types import Seed, StrictModel, TokenId, sse_event
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput
 from engine.request import GenerationRequest
 from sampling import SamplingParams
@@ -122,7 +121,7 @@ def stream_event(output: RequestOutput, body: InferTokenRequest, first: bool, el
     if output.finished:
         event["generated_text"] = output.text
         event["details"] = details(output, body.parameters.return_log_probs)
-    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return sse_event(event)
 
 
 def error_event(sent: list[RequestOutput], err_msg: str) -> str:
@@ -132,7 +131,7 @@ def error_event(sent: list[RequestOutput], err_msg: str) -> str:
              "generated_text": "".join(o.new_text for o in sent),
              "details": {"finish_reason": "stop_sequence", "generated_tokens": sum(len(o.new_token_ids) for o in sent),
                          "seed": sent[-1].seed, "err_msg": err_msg}}
-    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return sse_event(event)
 
 
 def _token(token_id: int, text: str | None, logprob) -> dict:

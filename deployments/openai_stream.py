@@ -12,8 +12,8 @@
 
 from __future__ import annotations
 
-import json
 
+from deployments.json_types import sse_event
 from deployments.openai_api import Choice, OpenAIFrontend, generated_logprobs, prompt_logprobs
 from deployments.tool_calls import ToolCallStream
 from engine.outputs import RequestOutput, TokenLogprob
@@ -93,4 +93,4 @@ class StreamWriter:
                 "model": self.front.served_model_name, "choices": choices}
         if self.include_usage:
             body["usage"] = usage.get("usage")
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return sse_event(body)

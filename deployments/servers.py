@@ -6,11 +6,12 @@ the engine's own priority scheduler, not Ray Serve's FIFO routing, orders the re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 import logging
 import time
 from typing import AsyncIterator
 
+import numpy as np
 import ray
 from ray import serve
 
@@ -41,13 +42,13 @@ class ModelInfo:
 @dataclass
 class PrefillReply:
     """P's answer: each choice's first-token output and, unless P finished every choice, the
-    handoff for D: the prefill result without its KV bytes, and a reference to those bytes in
-    Ray's object store (one for all choices). The reference sits in a list so that Ray passes
-    it on instead of resolving it."""
+    handoff for D: the prefill result without its KV bytes. The ingress adds the reference to
+    those bytes in Ray's object store (one for all choices; PDBackend): in a list, so that Ray
+    passes it on to D instead of resolving it."""
 
     outputs: list[RequestOutput]
     handoff: PrefillResult | None
-    kv_ref: list[ray.ObjectRef]
+    kv_ref: list[ray.ObjectRef] = field(default_factory=list)
 
 
 class _EngineServer:
@@ -83,14 +84,19 @@ class LLMServer(_EngineServer):
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 class PrefillServer(_EngineServer):
-    async def prefill(self, request: GenerationRequest) -> PrefillReply:
+    async def prefill(self, request: GenerationRequest) -> AsyncIterator[PrefillReply | np.ndarray]:
+        """P's reply, then, unless the first token ended every choice, the prompt's KV bytes
+        [L, 2, T, Hkv, D] as a second item. Ray stores each item of a stream as an object owned
+        by the caller (the ingress), not by this replica: the KV stays readable on this node if
+        this replica dies or is scaled down after it answered (``ray.put`` here would lose it)."""
         outputs = await self.engine.prefill(request)
         result = next((o.prefill for o in outputs if o.prefill is not None), None)
         outputs = [replace(o, prefill=None) for o in outputs]  # the KV bytes travel apart, once
-        if result is None:  # the first token ended every choice
-            return PrefillReply(outputs, None, [])
-        kv_ref = ray.put(result.kv.data)
-        return PrefillReply(outputs, replace(result, kv=KVPayload(result.kv.meta, None)), [kv_ref])
+        if result is None:
+            yield PrefillReply(outputs, None)
+            return
+        yield PrefillReply(outputs, replace(result, kv=KVPayload(result.kv.meta, None)))
+        yield result.kv.data
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})

@@ -67,6 +67,7 @@ class RequestTrace:
     last_gap: float = 0.0  # seconds between the last two outputs with tokens
     output_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
+    migrations: int = 0  # times it moved to another replica after one failed (deployments/migration.py)
 
     def record_prefill(self, output: RequestOutput) -> None:
         if self.prefill is None:
@@ -133,10 +134,11 @@ def log_line(trace: RequestTrace, outcome: str) -> None:
     """One INFO line per finished request: no prompt, no text."""
     times = " ".join(f"{k}={v * 1000:.1f}ms" for k, v in trace.phases().items())
     kv = f" kv_bytes={trace.kv.nbytes}" if trace.kv else ""
-    logger.info("request %s (%s) %s: %s priority=%d prompt_tokens=%d output_tokens=%d finish=%s %s%s",
+    moved = f" migrations={trace.migrations}" if trace.migrations else ""
+    logger.info("request %s (%s) %s: %s priority=%d prompt_tokens=%d output_tokens=%d finish=%s %s%s%s",
                 trace.request_id, trace.engine_request_id, trace.dialect, outcome, trace.priority,
                 trace.prompt_tokens, trace.output_tokens, ",".join(sorted(set(trace.finish_reasons))) or "-",
-                times, kv)
+                times, kv, moved)
 
 
 class SpanWriter:

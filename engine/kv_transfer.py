@@ -21,7 +21,7 @@ class KVMeta:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    num_tokens: int  # the prompt's length
+    num_tokens: int  # tokens before the next one: the prompt, and a resumed request's earlier output
     start: int = 0  # the payload holds tokens [start, num_tokens); D must hold the ones before in its cache
 
 
@@ -58,12 +58,13 @@ def numpy_to_tensor(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
 
 
-def check_compatible(meta: KVMeta, expected: KVMeta, num_prompt_tokens: int) -> None:
+def check_compatible(meta: KVMeta, expected: KVMeta, num_tokens: int) -> None:
     """Raise KVMismatchError naming the first field where ``meta`` differs from this engine."""
     for name, value in asdict(expected).items():
         if name not in ("num_tokens", "start") and getattr(meta, name) != value:
             raise KVMismatchError(f"kv.{name}: got {getattr(meta, name)!r}, this engine has {value!r}")
-    if meta.num_tokens != num_prompt_tokens:
-        raise KVMismatchError(f"kv.num_tokens: got {meta.num_tokens}, the prompt has {num_prompt_tokens} tokens")
+    if meta.num_tokens != num_tokens:
+        raise KVMismatchError(f"kv.num_tokens: got {meta.num_tokens}, the request has {num_tokens} tokens "
+                              "before its next one")
     if not 0 <= meta.start < meta.num_tokens:
         raise KVMismatchError(f"kv.start: got {meta.start}, must be in [0, {meta.num_tokens})")

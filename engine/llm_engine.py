@@ -77,9 +77,14 @@ class LLMEngine:
         bad = [t for t in request.params.token_ids_in_use() if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"parameters: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in request.resumed_output_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"resumed_output_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(request.resumed_output_ids) >= request.params.max_new_tokens:
+            raise ValueError("resumed_output_ids: the request already has max_new_tokens tokens")
         if request.params.grammar is not None:
             self.grammars.check(request.params.grammar)  # compiled here, on the caller's thread, once per digest
-        n = len(request.prompt_token_ids)
+        n = len(request.prompt_token_ids) + len(request.resumed_output_ids)  # what P computes, D imports
         if n >= self.max_model_len:
             raise ValueError(f"prompt_token_ids: {n} tokens leave no room to generate within the maximum "
                              f"length of {self.max_model_len} (the model's, or the KV pool's)")
@@ -119,17 +124,25 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _add_detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+        detok = self._detokenizers[seq.key] = self._detokenizer(seq)
+        return detok
+
+    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+        """A detokenizer that has seen seq's output so far (a resumed request's earlier tokens,
+        whose text the client has): its held-back text and stop-string state go on from there."""
         detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop, seq.params.skip_special_tokens)
-        self._detokenizers[seq.key] = detok
+        for token in seq.output_ids:
+            detok.add(token)
         return detok
 
     def _start_from_first_token(self, seq: Sequence, choice: PendingChoice) -> None:
         """DECODE mode: the choice's first token came from P, whose text P already released."""
+        detok = self._add_detokenizer(seq)
         seq.token_ids.append(choice.first_token_id)
         seq.first_token_time = seq.arrival_time
         if choice.first_logprob is not None:
-            seq.cumulative_logprob = choice.first_logprob
-        self._add_detokenizer(seq).add(choice.first_token_id)
+            seq.cumulative_logprob += choice.first_logprob
+        detok.add(choice.first_token_id)
 
     def abort(self, request_id: str, reason: str = ABORT) -> list[RequestOutput]:
         """End every choice of a request wherever it is and free its blocks; [] if it is not here."""
@@ -284,30 +297,33 @@ class LLMEngine:
         seq.first_token_time = time.time()
         outputs, going = [], []
         for choice, (token, logprob) in firsts:
-            probe = seq.fork(choice)  # the choice as it stands after its first token, never scheduled
+            # The choice as it stands after this token (a resumed request's earlier output before
+            # it), never scheduled: its detokenizer and grammar state are made here and dropped.
+            probe = seq.fork(choice)
+            probe.token_ids = list(seq.token_ids)
+            detok = self._detokenizer(probe)
             probe.token_ids.append(token)
-            detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop, seq.params.skip_special_tokens)
             text, stopped = detok.add(token)
-            # The probe is never scheduled: its grammar state is made here and dropped.
             complete = probe.params.grammar is not None and self.grammars.matcher(probe.params.grammar,
-                                                                                  [token]).is_stopped()
+                                                                                  probe.output_ids).is_stopped()
             reason = self._finish_reason(probe, token, complete or stopped)
             output = RequestOutput(
-                request_id=seq.request_id, new_token_ids=[token], new_text=text, num_output_tokens=1,
-                finished=reason is not None, finish_reason=reason, seed=choice.seed,
-                logprobs=[logprob] if logprob else [], cumulative_logprob=logprob.logprob if logprob else None,
+                request_id=seq.request_id, new_token_ids=[token], new_text=text,
+                num_output_tokens=probe.num_output_tokens, finished=reason is not None, finish_reason=reason,
+                seed=choice.seed, logprobs=[logprob] if logprob else [],
+                cumulative_logprob=seq.cumulative_logprob + logprob.logprob if logprob else None,
                 first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
                 scheduled_time=seq.scheduled_time, index=choice.index,
                 prompt_logprobs=seq.prompt_logprobs)
             if output.finished:
                 output.new_text += detok.finish()
-                output.output_token_ids, output.text = [token], detok.text
+                output.output_token_ids, output.text = probe.output_ids, detok.text
             else:
                 going.append((output, ChoiceStart(choice.index, token, logprob, choice.seed)))
             outputs.append(output)
         if going:
             start = seq.kv_export_start
-            kv = KVPayload(self.runner.kv_meta(seq.num_prompt_tokens, start), self.runner.export_kv(seq, start))
+            kv = KVPayload(self.runner.kv_meta(seq.num_tokens, start), self.runner.export_kv(seq, start))
             result = PrefillResult(seq.request_id, [c for _, c in going], kv,
                                    (seq.first_token_time - seq.arrival_time) * 1000.0)
             for output, _ in going:

@@ -153,12 +153,13 @@ class ModelRunner:
             by_block[:, :, dst] = by_block[:, :, src]
 
     def export_kv(self, seq: Sequence, start: int = 0) -> np.ndarray:
-        """The KV of prompt tokens [start, prompt length) as one array [L, 2, T, Hkv, D]."""
-        slots = torch.tensor(self.blocks.slots(seq, start, seq.num_prompt_tokens), device=self.device)
+        """The KV of tokens [start, seq.num_tokens) as one array [L, 2, T, Hkv, D]: in PREFILL mode, the
+        prompt and a resumed request's earlier output, every one computed."""
+        slots = torch.tensor(self.blocks.slots(seq, start, seq.num_tokens), device=self.device)
         return tensor_to_numpy(self.kv_cache[:, :, slots])
 
     def import_kv(self, seq: Sequence, first: int) -> None:
-        """Write the pending payload's tokens [first, prompt length) into ``seq``'s slots; the
+        """Write the pending payload's tokens [first, its num_tokens) into ``seq``'s slots; the
         tokens before ``first`` are already there (prefix-cache hits)."""
         payload = seq.pending_kv
         data = numpy_to_tensor(payload.data, self.loaded.dtype)[:, :, first - payload.meta.start:]

@@ -20,6 +20,12 @@ class GenerationRequest:
     priority: int = PRIORITY_MAX
     deadline: float | None = None  # absolute, time.time() seconds; None: now + default timeout
     n: int = 1  # choices; they share one prefill and fork from it (seeds: sampling.params.choice_seed)
+    # A migrated request (deployments/migration.py): the tokens its one choice generated before,
+    # on a replica that failed, and their cumulative logprob. They follow the prompt and count as
+    # output (penalties, the seeded noise's step, stop conditions, max_new_tokens, the counts
+    # reported), but are not streamed again.
+    resumed_output_ids: list[int] = field(default_factory=list)
+    resumed_logprob: float = 0.0
 
     def __post_init__(self) -> None:
         if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
@@ -28,6 +34,8 @@ class GenerationRequest:
             raise ValueError("prompt_token_ids: must be non-empty")
         if not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"n: must be in [1, {MAX_CHOICES}]")
+        if self.resumed_output_ids and self.n != 1:
+            raise ValueError("resumed_output_ids: a resumed request has one choice (n=1)")
 
 
 class SequenceStatus(Enum):
@@ -77,12 +85,12 @@ class Sequence:
         self.scheduled_time: float | None = None  # first admitted to the running batch
         self.first_token_time: float | None = None
         self.num_prompt_tokens = len(request.prompt_token_ids)
-        self.token_ids = list(request.prompt_token_ids)
+        self.token_ids = list(request.prompt_token_ids) + list(request.resumed_output_ids)
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
-        self.cumulative_logprob = 0.0
+        self.cumulative_logprob = request.resumed_logprob
         self.pending_kv = None  # a KVPayload to import when admitted (Mode.DECODE)
         self.pending_choices: list[PendingChoice] = []  # forked once the prompt is computed
         self.kv_export_start = 0  # PREFILL mode: export the prompt's KV from this token on

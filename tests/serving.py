@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
 import time
 
 import httpx
+import psutil
 
 
 def free_port() -> int:
@@ -34,6 +36,37 @@ def serve_session(num_cpus: int = 8, address: str | None = None):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def replicas(deployment: str) -> set[str]:
+    """The names of a deployment's live replica actors."""
+    import ray
+
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f"#{deployment}#" in a["name"]}
+
+
+def processes(deployment: str, app: str = "pd") -> list[psutil.Process]:
+    """The worker processes of a deployment's replicas (Ray titles them ray::ServeReplica:<app>:<deployment>)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if f"ServeReplica:{app}:{deployment}" in " ".join(process.info["cmdline"] or []):
+            found.append(process)
+    return found
+
+
+@contextlib.contextmanager
+def stopped(deployment: str, app: str = "pd"):
+    """SIGSTOP every replica of ``deployment``; SIGCONT on the way out."""
+    stopped_now = processes(deployment, app)
+    assert stopped_now
+    for process in stopped_now:
+        process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for process in stopped_now:
+            with contextlib.suppress(psutil.NoSuchProcess):  # killed while stopped
+                process.send_signal(signal.SIGCONT)
 
 
 def sse_events(response: httpx.Response) -> list[dict]:

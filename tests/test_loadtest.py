@@ -27,7 +27,7 @@ def base_url():
                                            ("completions", ["--request-rate", "30", "--burstiness", "0.5"])])
 def test_short_load_accounts_for_every_request(base_url, tmp_path, endpoint, load):
     out = tmp_path / "result.json"
-    args = ["--base-url", base_url, "--endpoint", endpoint, "--num-requests", "12", "--duration", "30",
+    args = ["--base-url", base_url, "--endpoint", endpoint, "--num-requests", "12", "--duration", "300",
             "--input-len", "16:32", "--output-len", "8", "--priority-mix", "1:0.5,5:0.5", "--seed", "3",
             "--goodput", "ttft:60000", "tpot:60000", "--warmup", "1", "--json", str(out), "--plot",
             str(tmp_path / "plots"), "--quiet", *load]

@@ -6,6 +6,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from deployments.json_types import sse_event
 from deployments.openai_api import Choice, OpenAIFrontend
 from deployments.openai_stream import StreamWriter
 from engine.outputs import RequestOutput, TokenLogprob
@@ -69,3 +70,12 @@ def test_completion_stream_echoes_the_prompt_with_its_scores_first(front):
     assert body["text"] == "The!" and body["finish_reason"] == "length"  # max_tokens 0: nothing generated
     assert body["logprobs"]["token_logprobs"] == [None, -2.0, -3.0]
     assert body["logprobs"]["top_logprobs"][0] is None and len(body["logprobs"]["tokens"]) == 3
+
+
+def test_an_event_of_generated_text_never_splits_into_two_lines():
+    """Python's splitlines (httpx's iter_lines) also ends lines at U+2028, U+0085 and others,
+    which a model may generate: they are escaped, and the JSON still reads back the same."""
+    text = "a\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029b 模型"
+    event = sse_event({"text": text})
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[len("data: "):]) == {"text": text} and "模型" in event

@@ -1,0 +1,250 @@
+"""The kill matrix: faults injected under load, each proven, against the failure contract.
+
+Deploys the PD app (fp32 tiny-llama, 1 P, 2 D replicas) on loopback, runs the load once
+without faults to get each request's reference text, then once per fault: ``--streams``
+concurrent streams (both dialects, priorities 1..5, greedy and seeded), the fault injected
+once they are running, and for each row: requests sent / completed (the whole text of the
+fault-free run) / ended with a clean error / lost (anything else: a hang, a raw error, a wrong
+text), migrations, tokens repeated or dropped (a text that is not a prefix of the reference),
+KV blocks held on P and D and object-store bytes once the load drained, and seconds from the
+fault until a new request succeeds.
+
+    python benchmarks/faults.py [--streams 8] [--tokens 300] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+from pathlib import Path
+import re
+import signal
+import sys
+import threading
+import time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+from ray import serve  # noqa: E402
+
+from deployments.app import pd_app  # noqa: E402
+from tests.serving import processes, serve_session, stopped  # noqa: E402
+
+RAY_INTERNALS = re.compile(r"ray|actor|pid|worker|traceback|node|\b\d{1,3}(\.\d{1,3}){3}\b", re.IGNORECASE)
+STARTED_EVENTS = 5  # events each stream has read before the fault
+
+
+def bodies(streams: int, tokens: int) -> list[tuple[str, dict]]:
+    """Alternating dialects, priorities 1..5, every other one seeded sampling."""
+    out = []
+    for i in range(streams):
+        sampled = {"temperature": 0.8, "top_k": 40, "seed": 100 + i} if i % 2 else {"temperature": 0}
+        if i % 4 < 2:
+            out.append(("/v1/completions", {"model": "tiny-llama", "prompt": f"request {i}", "max_tokens": tokens,
+                                            "ignore_eos": True, "priority": 1 + i % 5, **sampled}))
+        else:
+            extra = {"do_sample": True, **sampled} if i % 2 else {"do_sample": False}
+            out.append(("/infer_token", {"input_id": [1, 30 + i, 31, 32], "parameters": {
+                "max_new_tokens": tokens, "ignore_eos": True, "details": True, "priority": 1 + i % 5, **extra}}))
+    return out
+
+
+class Stream:
+    """One streamed request: its text, whether it finished, how it ended."""
+
+    def __init__(self, url: str, path: str, body: dict) -> None:
+        self.url, self.path, self.body = url, path, {**body, "stream": True}
+        self.started = threading.Event()
+        self.text, self.tokens, self.finished, self.error, self.raw = "", 0, False, None, None
+        self.disconnect = False
+
+    def run(self, go_on: threading.Event) -> "Stream":
+        try:
+            with httpx.stream("POST", self.url + self.path, json=self.body, timeout=300) as response:
+                if response.status_code != 200:
+                    self.error = response.read().decode()
+                    return self
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    if RAY_INTERNALS.search(line):
+                        self.raw = line
+                    self._read(json.loads(line[6:]))
+                    if self.tokens == STARTED_EVENTS and not self.started.is_set():
+                        self.started.set()
+                        go_on.wait(120)
+                        if self.disconnect:
+                            return self
+        except httpx.HTTPError as error:
+            self.raw = f"{type(error).__name__}"
+        finally:
+            self.started.set()
+        return self
+
+    def _read(self, event: dict) -> None:
+        if "error" in event:
+            self.error = event["error"]["message"]
+        elif self.path == "/infer_token":
+            self.tokens += event["token"] is not None
+            self.text += event["token"]["text"] if event["token"] else ""
+            details = event.get("details") or {}
+            self.error = details.get("err_msg") if details.get("finish_reason") == "stop_sequence" else None
+            self.finished = "generated_text" in event and not self.error
+        else:
+            choice = event["choices"][0]
+            self.tokens += 1 if choice["text"] or choice["finish_reason"] is None else 0
+            self.text += choice["text"]
+            self.finished = choice["finish_reason"] is not None
+
+
+def migrations(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return float(re.search(r"^pdserve_request_migrations_total (\S+)$", text, re.MULTILINE).group(1))
+
+
+def blocks_held() -> dict[str, int]:
+    """KV blocks held, the most any replica reports over a few calls (the handle picks one per call)."""
+    held = {}
+    for name in ("PrefillServer", "DecodeServer"):
+        handle = serve.get_deployment_handle(name, app_name="pd")
+        held[name] = max(handle.stats.remote().result().blocks_used for _ in range(8))
+    return held
+
+
+def object_store_bytes() -> int:
+    from ray._private.internal_api import memory_summary
+
+    match = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+    return int(match.group(1)) << 20 if match else 0
+
+
+def until_success(url: str, since: float) -> float:
+    body = {"input_id": [1, 2, 3], "parameters": {"max_new_tokens": 2}}
+    while time.monotonic() - since < 180:
+        try:
+            if httpx.post(f"{url}/infer_token", json=body, timeout=60).status_code == 200:
+                return time.monotonic() - since
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return float("inf")
+
+
+def kill(process: psutil.Process) -> str:
+    process.send_signal(signal.SIGKILL)
+    psutil.wait_procs([process], timeout=60)
+    assert not process.is_running()
+    return f"pid {process.pid} gone"
+
+
+# Each fault: (name, what happens before the streams start, what happens once they run).
+def kill_decode(_):
+    return kill(processes("DecodeServer")[0])
+
+
+def stop_decode_10s(_):
+    (process, *_others) = processes("DecodeServer")
+    process.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while process.status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proof = f"pid {process.pid} {process.status()}"
+    time.sleep(10)
+    process.send_signal(signal.SIGCONT)
+    return proof
+
+
+def disconnect_half(streams):
+    for s in streams[::2]:
+        s.disconnect = True
+    return f"{len(streams[::2])} clients left mid-decode"
+
+
+# Each fault: (the deployment held still (SIGSTOP) while the streams start, then its P is
+# SIGKILLed; or None) and (what is done once every stream has read its first events).
+FAULTS = {
+    "SIGKILL D mid-stream (1 of 2 D)": (None, kill_decode),
+    "SIGSTOP D 10 s, then SIGCONT": (None, stop_decode_10s),
+    "clients disconnect mid-decode": (None, disconnect_half),
+    "SIGKILL P before its reply": ("PrefillServer", None),
+    "SIGKILL P after its reply, before D's fetch": ("DecodeServer", None),
+}
+
+
+def run_row(url: str, name: str, work: list[tuple[str, dict]], references: list[str]) -> dict:
+    before = migrations(url)
+    streams = [Stream(url, path, body) for path, body in work]
+    go_on = threading.Event()
+    paused_role, action = FAULTS[name]
+    with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
+        if paused_role is None:
+            futures = [pool.submit(s.run, go_on) for s in streams]
+            for s in streams:
+                s.started.wait(120)
+            fault_at = time.monotonic()
+            proof = action(streams)
+            go_on.set()
+        else:
+            # P held: nothing has replied yet. D held: P has replied to every stream, no D has fetched.
+            with stopped(paused_role):
+                go_on.set()
+                futures = [pool.submit(s.run, go_on) for s in streams]
+                if paused_role == "DecodeServer":
+                    deadline = time.monotonic() + 120
+                    while any(s.tokens == 0 for s in streams) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                fault_at = time.monotonic()
+                proof = kill(processes("PrefillServer")[0])
+        recovery = until_success(url, fault_at)
+        concurrent.futures.wait(futures, timeout=300)
+    left = [s for s in streams if s.disconnect]
+    ran = [(s, ref) for s, ref in zip(streams, references) if not s.disconnect]
+    completed = sum(s.finished and s.text == ref and not s.error for s, ref in ran)
+    clean = sum(bool(s.error) and not s.raw for s, _ in ran)
+    time.sleep(2)  # let the engines take the last aborts before reading their accounts
+    return {"fault": name, "proof": proof, "sent": len(streams), "disconnected": len(left), "completed": completed,
+            "clean_errors": clean, "lost": len(ran) - completed - clean,
+            "migrations": migrations(url) - before,
+            "texts_not_a_prefix": sum(not ref.startswith(s.text) for s, ref in zip(streams, references)),
+            "raw_errors": sum(bool(s.raw) for s in streams), "blocks_held_after": blocks_held(),
+            "object_store_bytes_after": object_store_bytes(), "seconds_to_next_success": round(recovery, 2)}
+
+
+def reference_texts(url: str, work: list[tuple[str, dict]]) -> list[str]:
+    texts = []
+    for path, body in work:
+        answer = httpx.post(url + path, json={**body, "stream": False}, timeout=300).json()
+        texts.append(answer["generated_text"] if path == "/infer_token" else answer["choices"][0]["text"])
+    return texts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=300)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    work = bodies(args.streams, args.tokens)
+    with serve_session() as url:
+        serve.run(pd_app({"torch_threads": 1, "dtype": "float32", "embeddings": False},
+                         decode_options={"num_replicas": 2}), name="pd", route_prefix="/")
+        references = reference_texts(url, work)
+        baseline = {"blocks_held": blocks_held(), "object_store_bytes": object_store_bytes()}
+        rows = []
+        for name in FAULTS:
+            rows.append(run_row(url, name, work, references))
+            print(json.dumps(rows[-1]), flush=True)
+            until_success(url, time.monotonic())
+            while len(processes("DecodeServer")) < 2 or not processes("PrefillServer"):
+                time.sleep(0.5)  # Serve replaced what was killed
+    result = {"streams": args.streams, "tokens": args.tokens, "baseline": baseline, "rows": rows}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    print(json.dumps(baseline))
+
+
+if __name__ == "__main__":
+    main()
