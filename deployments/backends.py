@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.errors import KVLeaseExpired
 from deployments.servers import PrefillReply
-from deployments.tracing import RequestTrace
+from deployments.tracing import KVTransfer, RequestTrace
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
 
@@ -44,9 +44,10 @@ class PDBackend:
     through Ray's object store: only its ObjectRef passes through here.
 
     The ingress owns that object (it is an item of its call to P), so it outlives P's replica, and
-    it is freed when the request ends, however it ends. D must fetch it within ``kv_lease_s``;
-    a D that does not (stalled, or never reached) has its call cancelled and the request fails
-    with ``KVLeaseExpired``, a replica failure: deployments/migration.py prefills it again."""
+    it is freed when the request ends, however it ends. A D replica must take the request within
+    ``kv_lease_s``; one that does not (stalled, or never reached) has its call cancelled and the
+    request fails with ``KVLeaseExpired``, a replica failure: deployments/migration.py prefills it
+    again. D fetches the KV only once its engine holds blocks for it (servers.DecodeServer)."""
 
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, kv_lease_s: float) -> None:
         self.prefill, self.decode = prefill, decode
@@ -81,19 +82,22 @@ class PDBackend:
 
     async def decode_step(self, request: GenerationRequest, reply: PrefillReply, trace: RequestTrace | None = None
                           ) -> AsyncIterator[RequestOutput]:
-        """D's outputs after P's ``reply``; KVLeaseExpired if D has not fetched the KV within the lease."""
+        """D's outputs after P's ``reply``; KVLeaseExpired if no D takes the request within the lease."""
         async with aclosing(_cancel_on_exit(self.decode.options(stream=True).decode.remote(request, reply))) as items:
             try:
-                transfer = await asyncio.wait_for(anext(items), self.kv_lease_s)  # D's first item: it has the KV
+                await asyncio.wait_for(anext(items), self.kv_lease_s)  # DecodeAccepted: D holds the reference
             except TimeoutError:
-                raise KVLeaseExpired(f"decode did not fetch the KV within its {self.kv_lease_s:g} s lease") from None
-            if trace:
-                trace.record_kv(transfer)
-            reply.kv_ref.clear()  # D has the bytes; its call holds its own reference until it ends
-            async for output in items:
+                raise KVLeaseExpired(f"no decode replica took the request within the {self.kv_lease_s:g} s "
+                                     "lease of its KV") from None
+            reply.kv_ref.clear()  # D's call holds its own reference until it ends
+            async for item in items:
+                if isinstance(item, KVTransfer):
+                    if trace:
+                        trace.record_kv(item)
+                    continue
                 if trace:
-                    trace.record_decode(output)
-                yield output
+                    trace.record_decode(item)
+                yield item
 
 
 async def _cancel_on_exit(responses) -> AsyncIterator[RequestOutput]:

@@ -19,7 +19,7 @@ from deployments.tracing import KVTransfer
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.kv_transfer import KVPayload
-from engine.outputs import PrefillResult, RequestOutput
+from engine.outputs import KVWanted, PrefillResult, RequestOutput
 from engine.request import GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,11 @@ class ModelInfo:
     node_id: str
     dtype: str
     enable_prefix_caching: bool
+
+
+@dataclass
+class DecodeAccepted:
+    """D's first item: it has taken the request (and a reference to its KV)."""
 
 
 @dataclass
@@ -106,17 +111,22 @@ class DecodeServer(_EngineServer):
         self.transfers = {"count": 0, "bytes": 0, "seconds": 0.0}
 
     async def decode(self, request: GenerationRequest, reply: PrefillReply
-                     ) -> AsyncIterator[KVTransfer | RequestOutput]:
-        """Fetch P's KV from the object store, import it, and stream the tokens after the first.
-        Yields the fetch's KVTransfer first (for the request's trace), then the outputs."""
-        start = time.time()
-        data = await reply.kv_ref[0]  # zero-copy for numpy when the object is on this node
-        transfer = KVTransfer(data.nbytes, start, time.time())
-        self._record_transfer(transfer)
-        yield transfer
-        prefill = replace(reply.handoff, kv=KVPayload(reply.handoff.kv.meta, data))
-        async for output in self.engine.decode(request, prefill):
-            yield output
+                     ) -> AsyncIterator[DecodeAccepted | KVTransfer | RequestOutput]:
+        """Take the request (``DecodeAccepted`` at once: the ingress's lease ends there), queue it
+        in the engine without its KV, fetch the KV from the object store once the engine holds
+        blocks for it (``KVWanted``), then stream the tokens after the first. Yields the fetch's
+        KVTransfer (for the request's trace) before them."""
+        yield DecodeAccepted()
+        async for item in self.engine.decode(request, reply.handoff):
+            if not isinstance(item, KVWanted):
+                yield item
+                continue
+            start = time.time()
+            data = await reply.kv_ref[0]  # zero-copy for numpy when the object is on this node
+            transfer = KVTransfer(data.nbytes, start, time.time())
+            self._record_transfer(transfer)
+            self.engine.receive_kv(request.request_id, data)
+            yield transfer
 
     def _record_transfer(self, transfer: KVTransfer) -> None:
         self.transfers["count"] += 1

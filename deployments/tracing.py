@@ -9,7 +9,7 @@ Phases of one engine request (wall-clock seconds; each engine's clock, compared 
 machines of one cluster):
 
     ingress arrival ─ queue{ingress} ─ engine arrival ─ queue{prefill} ─ scheduled ─ prefill ─ first token
-      PD: ─ kv transfer (D fetches P's KV) ─ queue{decode} ─ D scheduled ─ ... ─ last token
+      PD: ─ queue{decode} ─ D scheduled (blocks held for the KV) ─ kv transfer (D fetches it) ─ ... ─ last token
     decode = first token to last token (vLLM's definition; in PD it holds the transfer and D's queue)
 
 A trace is ended once, by ``traced`` (the stream ends, fails, or its client goes away).

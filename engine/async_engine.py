@@ -19,10 +19,11 @@ from typing import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import PrefillResult, RequestOutput
+from engine.outputs import KVWanted, PrefillResult, RequestOutput
 from engine.request import PRIORITY_MAX, PRIORITY_MIN, GenerationRequest, Mode
 
 logger = logging.getLogger(__name__)
+RECEIVING_POLL_S = 1.0  # how often an idle engine checks the deadlines of requests waiting for their KV
 
 
 class EngineError(RuntimeError):
@@ -73,10 +74,17 @@ class AsyncEngine:
         outputs = [output async for output in self._submit(request, Mode.PREFILL, None, kv_export_start)]
         return sorted(outputs, key=lambda output: output.index)
 
-    async def decode(self, request: GenerationRequest, prefill: PrefillResult) -> AsyncIterator[RequestOutput]:
-        """Import P's KV and stream the tokens after the first."""
+    async def decode(self, request: GenerationRequest, prefill: PrefillResult
+                     ) -> AsyncIterator[RequestOutput | KVWanted]:
+        """Import P's KV and stream the tokens after the first. When ``prefill.kv.data`` is None,
+        the first item is a ``KVWanted``, once the request holds blocks for the KV: fetch the
+        bytes then and hand them over with ``receive_kv``."""
         async for output in self._submit(request, Mode.DECODE, prefill):
             yield output
+
+    def receive_kv(self, request_id: str, data) -> None:
+        self._commands.put(("kv", request_id, data))
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -123,6 +131,9 @@ class AsyncEngine:
                 if isinstance(output, Exception):
                     done = True
                     raise output
+                if isinstance(output, KVWanted):
+                    yield output
+                    continue
                 if output.finished or output.prefill is not None:
                     remaining.discard(output.index)
                 done = not remaining
@@ -138,7 +149,8 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopped:
             if not self.engine.has_work() and self._commands.empty():
-                self._wake.wait()
+                # Requests waiting for their KV still expire at their deadline.
+                self._wake.wait(RECEIVING_POLL_S if self.engine.scheduler.receiving else None)
             self._wake.clear()
             self._drain_commands()
             try:
@@ -152,6 +164,8 @@ class AsyncEngine:
             self._stats = self._snapshot()
             for output in outputs:
                 self._deliver(output.request_id, output)
+            for request_id in self.engine.take_kv_wanted():
+                self._deliver(request_id, KVWanted(request_id))
 
     def _drain_commands(self) -> None:
         while True:
@@ -165,6 +179,8 @@ class AsyncEngine:
                     self.engine.add_request(request, mode, prefill, kv_export_start)
                 except Exception as error:
                     self._deliver(request.request_id, error)
+            elif command[0] == "kv":
+                self.engine.receive_kv(command[1], command[2])
             else:
                 for output in self.engine.abort(command[1]):
                     self._finished[output.finish_reason] += 1

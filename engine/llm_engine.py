@@ -62,6 +62,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.loaded.eos_token_ids)
         self._matchers: dict[tuple[str, int], MatcherState] = {}  # per constrained choice, made on first use
         self._arrivals = itertools.count()
+        self._kv_wanted: list[str] = []  # requests admitted into RECEIVING since last asked (take_kv_wanted)
         logger.info("engine ready: model %s, dtype %s (asked: %s), %d KV blocks of %d tokens, prefix caching %s",
                     self.loaded.path, self.dtype, config.dtype, self.blocks.num_blocks, config.block_size,
                     "on" if config.enable_prefix_caching else "off")
@@ -99,7 +100,9 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest, mode: Mode = Mode.GENERATE,
                     prefill: PrefillResult | None = None, kv_export_start: int = 0) -> None:
         """Queue a request. PREFILL mode exports the prompt's KV from token ``kv_export_start``
-        on (the decode side holds the tokens before it)."""
+        on (the decode side holds the tokens before it). DECODE mode imports ``prefill.kv``; if
+        its data is None, the request waits for it with its blocks held (``take_kv_wanted``,
+        ``receive_kv``)."""
         self.validate(request, mode, prefill)
         if request.request_id in {rid for rid, _ in self._seqs}:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
@@ -122,6 +125,22 @@ class LLMEngine:
             self._add_detokenizer(seq)
         self._seqs[seq.key] = seq
         self.scheduler.add(seq)
+
+    def take_kv_wanted(self) -> list[str]:
+        """The requests admitted since the last call whose KV bytes must now be fetched (DECODE
+        requests added with ``prefill.kv.data`` None: their blocks are held for it)."""
+        wanted, self._kv_wanted = self._kv_wanted, []
+        return wanted
+
+    def receive_kv(self, request_id: str, data) -> bool:
+        """A receiving request's KV bytes [L, 2, T, Hkv, D] have arrived: it runs from the next
+        step. False if the request is not waiting for them (it ended meanwhile)."""
+        for seq in self.scheduler.receiving:
+            if seq.request_id == request_id:
+                seq.pending_kv = KVPayload(seq.pending_kv.meta, data)
+                self.scheduler.kv_arrived(seq)
+                return True
+        return False
 
     def _add_detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
         detok = self._detokenizers[seq.key] = self._detokenizer(seq)
@@ -166,6 +185,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._expire(time.time())
         batch = self.scheduler.schedule()
+        self._kv_wanted += [seq.request_id for seq in batch.kv_wanted]
         for seq, why in batch.unservable:
             outputs += self._finish(seq, ABORT, [], "", [], error=why)
         if batch.entries:

@@ -46,6 +46,14 @@ class PrefillResult:
 
 
 @dataclass
+class KVWanted:
+    """DECODE: the request now holds blocks for P's KV; the server fetches the bytes and hands
+    them over (``AsyncEngine.receive_kv``). A replica without room pulls nothing."""
+
+    request_id: str
+
+
+@dataclass
 class RequestOutput:
     """The tokens one choice of a request produced in one engine step (streamed to the caller)."""
 

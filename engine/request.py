@@ -40,6 +40,7 @@ class GenerationRequest:
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
+    RECEIVING = "receiving"  # DECODE: admitted, its blocks held, waiting for P's KV bytes to arrive
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -91,7 +92,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.cumulative_logprob = request.resumed_logprob
-        self.pending_kv = None  # a KVPayload to import when admitted (Mode.DECODE)
+        # Mode.DECODE: the KVPayload to import. Its data is None until the bytes arrive: the
+        # scheduler then admits the sequence into RECEIVING (blocks held) and asks for them.
+        self.pending_kv = None
+        self.kv_import_from = 0  # the first token to import: those before it were prefix-cache hits
         self.pending_choices: list[PendingChoice] = []  # forked once the prompt is computed
         self.kv_export_start = 0  # PREFILL mode: export the prompt's KV from this token on
         # The KV's content key: everything besides the tokens that changes a block's KV (the

@@ -15,6 +15,10 @@ Policy:
   blocks (``BlockManager.computed_prefix``) and computes from there; a request whose KV
   arrives from P takes its hits and imports only the rest; a request that scores its prompt
   (prompt logprobs) takes none and computes it whole;
+- a request whose KV has not arrived yet (DECODE, SGLang's and vLLM's "waiting for remote KV")
+  is admitted like any other, with blocks for that KV, but into ``receiving``: it runs once the
+  bytes are there (``kv_arrived``). So a D replica pulls a prompt's KV only when it has room for
+  it, and never pulls KV that would wait in its queue;
 - a request with n choices is admitted as one sequence; the others fork from it once its
   prompt is computed (``fork``), so admission keeps room in ``max_num_seqs`` for them.
 """
@@ -38,6 +42,7 @@ class ScheduledBatch:
     kv_imports: list[tuple[Sequence, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
     preempted: list[Sequence] = field(default_factory=list)
+    kv_wanted: list[Sequence] = field(default_factory=list)  # admitted into receiving: fetch their KV now
     unservable: list[tuple[Sequence, str]] = field(default_factory=list)  # taken out of the queue, with why
 
 
@@ -48,6 +53,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []  # heap by order_key
         self.running: list[Sequence] = []
+        self.receiving: list[Sequence] = []  # blocks held, KV bytes not here yet
+        self._arrived: list[Sequence] = []  # KV here: they join the running batch at the next step
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not hits, not imports)
 
@@ -56,7 +63,15 @@ class Scheduler:
         return [seq for _, seq in sorted(self._waiting, key=lambda item: item[0])]
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self.running)
+        """Whether a step can make progress. A sequence that waits for its KV cannot, and while
+        one holds blocks nothing waiting can be admitted that was not at the last step (new
+        requests and arriving KV wake the engine's loop, which then steps)."""
+        return bool(self.running or self._arrived or (self._waiting and not self.receiving))
+
+    def kv_arrived(self, seq: Sequence) -> None:
+        """A receiving sequence's KV bytes are in ``seq.pending_kv``: it runs from the next step."""
+        self.receiving.remove(seq)
+        self._arrived.append(seq)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -64,8 +79,10 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and give back its blocks (finish, abort, expiry)."""
-        if seq in self.running:
-            self.running.remove(seq)
+        for queue in (self.running, self.receiving, self._arrived):
+            if seq in queue:
+                queue.remove(seq)
+                break
         else:
             self._waiting = [item for item in self._waiting if item[1] is not seq]
             heapq.heapify(self._waiting)
@@ -92,6 +109,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self._preempt_for_waiting(batch)
         preempted_for_waiting = len(batch.preempted)
+        for seq in self._arrived:  # imported before this step's forward, then computed like the rest
+            batch.kv_imports.append((seq, seq.kv_import_from))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        self._arrived = []
         for seq in sorted(self.running, key=lambda s: s.order_key):
             if budget == 0:
                 break
@@ -125,12 +147,18 @@ class Scheduler:
             heapq.heappop(self._waiting)
             self.blocks.record_lookup(seq.num_tokens, hit_tokens)
             batch.block_copies += self.blocks.allocate(seq, computed + n, hits)
-            if seq.pending_kv is not None:
-                batch.kv_imports.append((seq, hit_tokens))
             seq.num_computed_tokens = computed
-            seq.status = SequenceStatus.RUNNING
             if seq.scheduled_time is None:  # the end of its queue time (a preempted one keeps its first)
                 seq.scheduled_time = time.time()
+            if seq.pending_kv is not None:
+                seq.kv_import_from = hit_tokens
+                if seq.pending_kv.data is None:  # ask for the bytes; run once they are here
+                    seq.status = SequenceStatus.RECEIVING
+                    self.receiving.append(seq)
+                    batch.kv_wanted.append(seq)
+                    continue
+                batch.kv_imports.append((seq, hit_tokens))
+            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.entries.append((seq, n))
             budget -= n
@@ -140,7 +168,8 @@ class Scheduler:
 
     def _has_room_for(self, seq: Sequence) -> bool:
         """A request is admitted with room for its choices still to fork (unless nothing runs)."""
-        return not self.running or len(self.running) + 1 + len(seq.pending_choices) <= self.max_num_seqs
+        active = len(self.running) + len(self.receiving) + len(self._arrived)
+        return not active or active + 1 + len(seq.pending_choices) <= self.max_num_seqs
 
     @staticmethod
     def _first_chunk(seq: Sequence, hit_tokens: int, budget: int) -> tuple[int, int]:
@@ -174,6 +203,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        # A sequence whose KV just arrived keeps it in pending_kv and imports it on readmission.
+        batch.kv_imports = [(s, first) for s, first in batch.kv_imports if s is not seq]
         seq.num_computed_tokens = 0  # recomputed on readmission (prefix hits make that cheap)
         batch.preempted.append(seq)
         self.num_preemptions += 1
