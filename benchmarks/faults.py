@@ -3,7 +3,7 @@
 Deploys the PD app (fp32 tiny-llama, 1 P, 2 D replicas) on loopback, runs the load once
 without faults to get each request's reference text, then once per fault: ``--streams``
 concurrent streams (both dialects, priorities 1..5, greedy and seeded), the fault injected
-once they are running, and for each row: requests sent / completed (the whole text of the
+once they run (or, for P's rows, while they start), and for each row: requests sent / completed (the whole text of the
 fault-free run) / ended with a clean error / lost (anything else: a hang, a raw error, a wrong
 text), migrations, tokens repeated or dropped (a text that is not a prefix of the reference),
 KV blocks held on P and D and object-store bytes once the load drained, and seconds from the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+from dataclasses import dataclass
 import json
 from pathlib import Path
 import re
@@ -23,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -163,36 +165,57 @@ def disconnect_half(streams):
     return f"{len(streams[::2])} clients left mid-decode"
 
 
-# Each fault: (the deployment held still (SIGSTOP) while the streams start, then its P is
-# SIGKILLed; or None) and (what is done once every stream has read its first events).
+def scale_prefill_down(_):
+    before = len(processes("PrefillServer"))
+    deploy(prefill_replicas=1)  # Serve drains the replica it removes (graceful shutdown)
+    return f"P replicas {before} -> {len(processes('PrefillServer'))}"
+
+
+@dataclass
+class Fault:
+    """``when``: "running" (every stream has read its first events), "sent" (the streams were
+    just sent), or a deployment held still (SIGSTOP) while the streams start, after which P is
+    SIGKILLed. ``prepare`` runs before the streams."""
+
+    when: str
+    action: Callable | None = None
+    prepare: Callable | None = None
+
+
 FAULTS = {
-    "SIGKILL D mid-stream (1 of 2 D)": (None, kill_decode),
-    "SIGSTOP D 10 s, then SIGCONT": (None, stop_decode_10s),
-    "clients disconnect mid-decode": (None, disconnect_half),
-    "SIGKILL P before its reply": ("PrefillServer", None),
-    "SIGKILL P after its reply, before D's fetch": ("DecodeServer", None),
+    "SIGKILL D mid-stream (1 of 2 D)": Fault("running", kill_decode),
+    "SIGSTOP D 10 s, then SIGCONT": Fault("running", stop_decode_10s),
+    "clients disconnect mid-decode": Fault("running", disconnect_half),
+    "SIGKILL P before its reply": Fault("PrefillServer"),
+    "SIGKILL P after its reply, before D's fetch": Fault("DecodeServer"),
+    "P scaled down 2 -> 1 during load": Fault("sent", scale_prefill_down, prepare=lambda: deploy(prefill_replicas=2)),
 }
 
 
 def run_row(url: str, name: str, work: list[tuple[str, dict]], references: list[str]) -> dict:
+    fault = FAULTS[name]
+    if fault.prepare:
+        fault.prepare()
     before = migrations(url)
     streams = [Stream(url, path, body) for path, body in work]
     go_on = threading.Event()
-    paused_role, action = FAULTS[name]
     with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
-        if paused_role is None:
+        if fault.when in ("running", "sent"):
             futures = [pool.submit(s.run, go_on) for s in streams]
-            for s in streams:
-                s.started.wait(120)
+            if fault.when == "running":
+                for s in streams:
+                    s.started.wait(120)
+            else:
+                go_on.set()  # the fault comes while the first requests are still on P
             fault_at = time.monotonic()
-            proof = action(streams)
+            proof = fault.action(streams)
             go_on.set()
         else:
             # P held: nothing has replied yet. D held: P has replied to every stream, no D has fetched.
-            with stopped(paused_role):
+            with stopped(fault.when):
                 go_on.set()
                 futures = [pool.submit(s.run, go_on) for s in streams]
-                if paused_role == "DecodeServer":
+                if fault.when == "DecodeServer":
                     deadline = time.monotonic() + 120
                     while any(s.tokens == 0 for s in streams) and time.monotonic() < deadline:
                         time.sleep(0.05)
@@ -213,6 +236,12 @@ def run_row(url: str, name: str, work: list[tuple[str, dict]], references: list[
             "object_store_bytes_after": object_store_bytes(), "seconds_to_next_success": round(recovery, 2)}
 
 
+def deploy(prefill_replicas: int = 1) -> None:
+    serve.run(pd_app({"torch_threads": 1, "dtype": "float32", "embeddings": False},
+                     prefill_options={"num_replicas": prefill_replicas}, decode_options={"num_replicas": 2}),
+              name="pd", route_prefix="/")
+
+
 def reference_texts(url: str, work: list[tuple[str, dict]]) -> list[str]:
     texts = []
     for path, body in work:
@@ -229,8 +258,7 @@ def main() -> None:
     args = parser.parse_args()
     work = bodies(args.streams, args.tokens)
     with serve_session() as url:
-        serve.run(pd_app({"torch_threads": 1, "dtype": "float32", "embeddings": False},
-                         decode_options={"num_replicas": 2}), name="pd", route_prefix="/")
+        deploy()
         references = reference_texts(url, work)
         baseline = {"blocks_held": blocks_held(), "object_store_bytes": object_store_bytes()}
         rows = []

@@ -24,7 +24,7 @@ from deployments.backends import PDBackend
 from deployments.errors import APIError, client_error
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import processes, replicas, serve_session, stopped
+from tests.serving import processes, replicas, serve_session, stopped, wait_until
 
 # What a client must never see: Ray's names and texts, process ids, addresses, tracebacks.
 RAY_INTERNALS = re.compile(r"ray|actor|pid|worker|traceback|node|\b\d{1,3}(\.\d{1,3}){3}\b", re.IGNORECASE)
@@ -43,6 +43,8 @@ def base_url():
                          decode_options={"num_replicas": DECODE_REPLICAS}), name="pd", route_prefix="/")
         serve.run(colocated_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32"}),
                   name="co", route_prefix="/co")
+        for app_url in (url, f"{url}/co"):  # each ingress has learnt its engines before any fault
+            eventually_ok(app_url)
         yield url
 
 
@@ -234,3 +236,32 @@ def test_the_one_colocated_replica_killed_mid_stream_the_stream_waits_and_comple
         events = first + events_of(lines)
     assert migrations(f"{base_url}/co") > before
     assert text_of(path, events) == reference_text(f"{base_url}/co", path, body)
+
+
+def engines_idle(deployment: str, app: str = "pd") -> bool:
+    """Every replica of ``deployment`` holds no block and runs nothing (eight calls, each routed to
+    a replica at random: with two replicas, all eight miss one with probability 1/128)."""
+    handle = serve.get_deployment_handle(deployment, app_name=app)
+    return all(s.blocks_used == 0 and s.running == 0 and not sum(s.waiting_by_priority.values())
+               for s in (handle.stats.remote().result() for _ in range(8)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("held", ["PrefillServer", "DecodeServer"])
+def test_a_client_that_leaves_while_queued_or_in_transfer_leaves_nothing_held(base_url, held):
+    """P held still: the request is queued for P when its client leaves. D held still: P has
+    replied and the KV waits for D (in transfer) when the client leaves. Then the role runs
+    again, and no engine holds anything for the request."""
+    path, body = bodies(True)[2]
+    body = {**body, "input_id": [1, 70, 71, 72]}
+    with stopped(held):
+        if held == "PrefillServer":  # no answer can come: the client gives up while the request waits for P
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{base_url}{path}", json=body, timeout=httpx.Timeout(60, read=3))
+        else:
+            with httpx.stream("POST", f"{base_url}{path}", json=body, timeout=300) as response:
+                assert response.status_code == 200  # P's first token is here: the request is between P and D
+                next(line for line in response.iter_lines() if line.startswith("data: "))
+        # the client has gone
+    assert wait_until(lambda: engines_idle("PrefillServer") and engines_idle("DecodeServer"), 120)
+    eventually_ok(base_url)
