@@ -33,9 +33,8 @@ import psutil  # noqa: E402
 from ray import serve  # noqa: E402
 
 from deployments.app import pd_app  # noqa: E402
-from tests.serving import processes, serve_session, stopped  # noqa: E402
+from tests.serving import RAY_INTERNALS, migrations, processes, serve_session, sigkill, stopped  # noqa: E402
 
-RAY_INTERNALS = re.compile(r"ray|actor|pid|worker|traceback|node|\b\d{1,3}(\.\d{1,3}){3}\b", re.IGNORECASE)
 STARTED_EVENTS = 5  # events each stream has read before the fault
 
 
@@ -102,11 +101,6 @@ class Stream:
             self.finished = choice["finish_reason"] is not None
 
 
-def migrations(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return float(re.search(r"^pdserve_request_migrations_total (\S+)$", text, re.MULTILINE).group(1))
-
-
 def blocks_held() -> dict[str, int]:
     """KV blocks held, the most any replica reports over a few calls (the handle picks one per call)."""
     held = {}
@@ -136,13 +130,10 @@ def until_success(url: str, since: float) -> float:
 
 
 def kill(process: psutil.Process) -> str:
-    process.send_signal(signal.SIGKILL)
-    psutil.wait_procs([process], timeout=60)
-    assert not process.is_running()
+    sigkill(process)
     return f"pid {process.pid} gone"
 
 
-# Each fault: (name, what happens before the streams start, what happens once they run).
 def kill_decode(_):
     return kill(processes("DecodeServer")[0])
 

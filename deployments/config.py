@@ -37,8 +37,8 @@ class AppArgs(BaseModel):
         "openai", description="finish_reason values on /v1: OpenAI's (stop, length) or MindIE's")
     max_migrations: int = Field(3, ge=0, description="times a request moves to another replica when the one "
                                 "serving it fails (deployments/migration.py); 0: a failure ends it")
-    kv_lease_s: float = Field(30.0, gt=0, description="PD: seconds D has to fetch a request's KV from the object "
-                              "store; past them the request is prefilled again (deployments/backends.py)")
+    kv_lease_s: float = Field(30.0, gt=0, description="PD: seconds a D replica has to take a request after P "
+                              "answered; past them the request is prefilled again (deployments/backends.py)")
     max_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get a 413")
     embeddings: bool = Field(True, description="serve /v1/embeddings (all-MiniLM-L6-v2) in its own deployment")
     traces_exporter: Literal["none", "console"] = Field(

@@ -19,7 +19,7 @@ TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_req
 
 
 class KVLeaseExpired(Exception):
-    """D did not fetch a request's KV within its lease (deployments/backends.py PDBackend)."""
+    """No D replica took a request within its KV's lease (deployments/backends.py PDBackend)."""
 
 
 # What Ray and Serve raise when a replica died, is unreachable or lost an object; and a D that

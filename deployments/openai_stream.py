@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-
 from deployments.json_types import sse_event
 from deployments.openai_api import Choice, OpenAIFrontend, generated_logprobs, prompt_logprobs
 from deployments.tool_calls import ToolCallStream

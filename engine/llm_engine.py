@@ -72,15 +72,12 @@ class LLMEngine:
     def validate(self, request: GenerationRequest, mode: Mode = Mode.GENERATE,
                  prefill: PrefillResult | None = None) -> None:
         """Raise ValueError (message starting with the field's name) if the request can never run."""
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in request.params.token_ids_in_use() if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"parameters: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in request.resumed_output_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"resumed_output_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        for name, ids in (("prompt_token_ids", request.prompt_token_ids),
+                          ("parameters", request.params.token_ids_in_use()),
+                          ("resumed_output_ids", request.resumed_output_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if len(request.resumed_output_ids) >= request.params.max_new_tokens:
             raise ValueError("resumed_output_ids: the request already has max_new_tokens tokens")
         if request.params.grammar is not None:

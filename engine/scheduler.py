@@ -157,7 +157,7 @@ class Scheduler:
                     self.receiving.append(seq)
                     batch.kv_wanted.append(seq)
                     continue
-                batch.kv_imports.append((seq, hit_tokens))
+                batch.kv_imports.append((seq, seq.kv_import_from))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.entries.append((seq, n))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import socket
 import time
@@ -36,6 +37,23 @@ def serve_session(num_cpus: int = 8, address: str | None = None):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+# What a client must never see: Ray's names and texts, process ids, addresses, tracebacks.
+RAY_INTERNALS = re.compile(r"ray|actor|pid|worker|traceback|node|\b\d{1,3}(\.\d{1,3}){3}\b", re.IGNORECASE)
+
+
+def migrations(url: str) -> float:
+    """The ingress's count of requests moved after a replica failed (pdserve_request_migrations_total)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return float(re.search(r"^pdserve_request_migrations_total (\S+)$", text, re.MULTILINE).group(1))
+
+
+def sigkill(process: psutil.Process) -> None:
+    """SIGKILL a replica's process and wait (bounded) until it is gone: the fault, proven."""
+    process.send_signal(signal.SIGKILL)
+    psutil.wait_procs([process], timeout=60)
+    assert not process.is_running()
 
 
 def replicas(deployment: str) -> set[str]:

@@ -8,13 +8,10 @@ its dialect's clean error; nothing of Ray's reaches a client; serving goes on.""
 import asyncio
 import concurrent.futures
 import json
-import re
-import signal
 import threading
 import time
 
 import httpx
-import psutil
 import pytest
 import ray
 from ray import serve
@@ -24,10 +21,9 @@ from deployments.backends import PDBackend
 from deployments.errors import APIError, client_error
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import processes, replicas, serve_session, stopped, wait_until
+from tests.serving import (RAY_INTERNALS, migrations, processes, replicas, serve_session, sigkill, stopped,
+                           wait_until)
 
-# What a client must never see: Ray's names and texts, process ids, addresses, tracebacks.
-RAY_INTERNALS = re.compile(r"ray|actor|pid|worker|traceback|node|\b\d{1,3}(\.\d{1,3}){3}\b", re.IGNORECASE)
 LONG = 1500  # tokens a stream asks for: it is still running when the replica is killed
 DECODE_REPLICAS = 2
 KV_LEASE_S = 6
@@ -50,11 +46,6 @@ def base_url():
 
 def decode_replicas() -> set[str]:
     return replicas("DecodeServer")
-
-
-def migrations(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return float(re.search(r"^pdserve_request_migrations_total (\S+)$", text, re.MULTILINE).group(1))
 
 
 def bodies(stream: bool) -> list[tuple[str, dict]]:
@@ -188,9 +179,7 @@ def test_prefill_killed_after_its_reply_before_decode_fetched_the_kv(base_url):
         meta = reply.handoff.kv.meta
         assert meta.num_layers * 2 * meta.num_tokens * meta.num_kv_heads * meta.head_dim * 4 > 100 * 1024
         (prefill,) = processes("PrefillServer")
-        prefill.send_signal(signal.SIGKILL)
-        psutil.wait_procs([prefill], timeout=60)
-        assert not prefill.is_running()  # the fault happened: P is gone, its KV not fetched yet
+        sigkill(prefill)  # the fault happened: P is gone, its KV not fetched yet
         outputs = [o async for o in backend.decode_step(request, reply)]
         return reply.outputs[0].new_token_ids + [t for o in outputs for t in o.new_token_ids]
 
@@ -230,9 +219,7 @@ def test_the_one_colocated_replica_killed_mid_stream_the_stream_waits_and_comple
         lines = response.iter_lines()
         first = events_of(next(line for line in lines if line.startswith("data: ")) for _ in range(5))
         (engine,) = processes("LLMServer", "co")
-        engine.send_signal(signal.SIGKILL)  # Serve restarts it; the stream waits for the new replica
-        psutil.wait_procs([engine], timeout=60)
-        assert not engine.is_running()
+        sigkill(engine)  # Serve restarts it; the stream waits for the new replica
         events = first + events_of(lines)
     assert migrations(f"{base_url}/co") > before
     assert text_of(path, events) == reference_text(f"{base_url}/co", path, body)
