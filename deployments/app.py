@@ -43,7 +43,8 @@ def pd_app(args: AppArgs | dict | None = None, prefill_options: dict | None = No
                          f"from P's KV; got {prefill_model!r} and {decode_model!r}")
     options = dict(max_ongoing_requests=args.max_ongoing_requests)
     prefill = PrefillServer.options(**{**options, **(prefill_options or {})}).bind(args.engine_config(prefill_model))
-    decode = DecodeServer.options(**{**options, **(decode_options or {})}).bind(args.engine_config(decode_model))
+    decode = DecodeServer.options(**{**options, **(decode_options or {})})
+    decode = decode.bind(args.engine_config(decode_model), args.heartbeat_s)
     return Ingress.bind(args, prefill=prefill, decode=decode, embedder=_embedder(args))
 
 
@@ -52,7 +53,7 @@ def colocated_app(args: AppArgs | dict | None = None, llm_options: dict | None =
     args = _args(args)
     resolve_model_dir(args.model)
     options = dict(max_ongoing_requests=args.max_ongoing_requests, **(llm_options or {}))
-    llm = LLMServer.options(**options).bind(args.engine_config())
+    llm = LLMServer.options(**options).bind(args.engine_config(), args.heartbeat_s)
     return Ingress.bind(args, llm=llm, embedder=_embedder(args))
 
 

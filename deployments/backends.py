@@ -14,7 +14,8 @@ from typing import AsyncIterator
 from ray.serve.handle import DeploymentHandle
 
 from deployments.errors import KVLeaseExpired
-from deployments.servers import PrefillReply
+from deployments.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
+from deployments.liveness import watched
 from deployments.tracing import KVTransfer, RequestTrace
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
@@ -26,32 +27,38 @@ class ColocatedBackend:
     about 1 ms less to the first token (benchmarks/RESULTS.md). P and D cannot: their calls
     carry the KV's ObjectRef (docs/serving.md)."""
 
-    def __init__(self, llm: DeploymentHandle) -> None:
+    def __init__(self, llm: DeploymentHandle, stall_timeout_s: float) -> None:
         self.handles = {"LLMServer": llm}
         self._generate = llm.options(stream=True, _by_reference=False).generate
+        self.stall_timeout_s = stall_timeout_s
 
     async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None
                      ) -> AsyncIterator[RequestOutput]:
-        async for output in _cancel_on_exit(self._generate.remote(request)):
-            if trace:
-                trace.record_prefill(output)
-            yield output
+        """The engine's outputs; ReplicaStalled if its replica stops mid-stream (liveness.py)."""
+        async with aclosing(_cancel_on_exit(self._generate.remote(request))) as items:
+            accepted = await anext(items)  # the one replica may be restarting: no bound but the deadline
+            async for output in watched(items, self.stall_timeout_s, accepted.replica):
+                if trace:
+                    trace.record_prefill(output)
+                yield output
 
 
 class PDBackend:
     """The ingress orchestrates: P runs the prompt and returns each choice's first token at
     once; the ingress hands them to the client, then calls D with P's reply. P's KV goes from P to D
-    through Ray's object store: only its ObjectRef passes through here.
+    through the KV connector (deployments/kv_connector.py): only its handle passes through here.
 
-    The ingress owns that object (it is an item of its call to P), so it outlives P's replica, and
-    it is freed when the request ends, however it ends. A D replica must take the request within
-    ``kv_lease_s``; one that does not (stalled, or never reached) has its call cancelled and the
-    request fails with ``KVLeaseExpired``, a replica failure: deployments/migration.py prefills it
-    again. D fetches the KV only once its engine holds blocks for it (servers.DecodeServer)."""
+    The ingress owns the KV from P's reply until a D replica takes the request, so it outlives P's
+    replica. A D replica must take the request within ``kv_lease_s``; one that does not (stalled,
+    or never reached) has its call cancelled and the request fails with ``KVLeaseExpired``, a
+    replica failure: deployments/migration.py prefills it again. One that stops once it has taken
+    the request fails it with ``ReplicaStalled`` after ``stall_timeout_s`` (liveness.py)."""
 
-    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, kv_lease_s: float) -> None:
+    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, kv_lease_s: float,
+                 stall_timeout_s: float) -> None:
         self.prefill, self.decode = prefill, decode
-        self.kv_lease_s = kv_lease_s
+        self.kv_lease_s, self.stall_timeout_s = kv_lease_s, stall_timeout_s
+        self.kv: KVConnector = ObjectStoreConnector()
         self.handles = {"PrefillServer": prefill, "DecodeServer": decode}
 
     async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None
@@ -68,14 +75,10 @@ class PDBackend:
                     yield output
 
     async def prefill_step(self, request: GenerationRequest) -> PrefillReply:
-        """P's reply, with a reference to its KV item (owned here) when D is to go on."""
+        """P's reply, with the handle to its KV (owned here) when D is to go on."""
         call = self.prefill.options(stream=True).prefill.remote(request)
         try:
-            items = await call._to_object_ref_gen()  # references to P's items, not their bytes
-            reply: PrefillReply = await (await anext(items))
-            if reply.handoff is not None:
-                reply.kv_ref = [await anext(items)]
-            return reply
+            return await self.kv.claim(call)
         except asyncio.CancelledError:
             call.cancel()
             raise
@@ -85,12 +88,12 @@ class PDBackend:
         """D's outputs after P's ``reply``; KVLeaseExpired if no D takes the request within the lease."""
         async with aclosing(_cancel_on_exit(self.decode.options(stream=True).decode.remote(request, reply))) as items:
             try:
-                await asyncio.wait_for(anext(items), self.kv_lease_s)  # DecodeAccepted: D holds the reference
+                accepted = await asyncio.wait_for(anext(items), self.kv_lease_s)  # D holds its own handle
             except TimeoutError:
                 raise KVLeaseExpired(f"no decode replica took the request within the {self.kv_lease_s:g} s "
                                      "lease of its KV") from None
-            reply.kv_ref.clear()  # D's call holds its own reference until it ends
-            async for item in items:
+            self.kv.release(reply)
+            async for item in watched(items, self.stall_timeout_s, accepted.replica):
                 if isinstance(item, KVTransfer):
                     if trace:
                         trace.record_kv(item)

@@ -39,6 +39,9 @@ class AppArgs(BaseModel):
                                 "serving it fails (deployments/migration.py); 0: a failure ends it")
     kv_lease_s: float = Field(30.0, gt=0, description="PD: seconds a D replica has to take a request after P "
                               "answered; past them the request is prefilled again (deployments/backends.py)")
+    stall_timeout_s: float = Field(5.0, gt=0, description="seconds without a token or a heartbeat after which "
+                                   "the ingress takes a streaming replica for stalled and moves its request "
+                                   "(deployments/liveness.py); the replica says it is alive 4 times as often")
     max_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get a 413")
     embeddings: bool = Field(True, description="serve /v1/embeddings (all-MiniLM-L6-v2) in its own deployment")
     traces_exporter: Literal["none", "console"] = Field(
@@ -49,6 +52,10 @@ class AppArgs(BaseModel):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}")
         return self
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.stall_timeout_s / 4
 
     def engine_config(self, model: str | None = None) -> EngineConfig:
         return EngineConfig(

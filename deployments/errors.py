@@ -22,9 +22,13 @@ class KVLeaseExpired(Exception):
     """No D replica took a request within its KV's lease (deployments/backends.py PDBackend)."""
 
 
-# What Ray and Serve raise when a replica died, is unreachable or lost an object; and a D that
-# did not take its KV in time, which the ingress treats the same way.
-REPLICA_FAILURES = (RayError, RayServeException, KVLeaseExpired)
+class ReplicaStalled(Exception):
+    """The replica serving a stream gave no sign of life for too long (deployments/liveness.py)."""
+
+
+# What Ray and Serve raise when a replica died, is unreachable or lost an object; and a replica
+# that did not take its KV in time or stalled mid-stream, which the ingress treats the same way.
+REPLICA_FAILURES = (RayError, RayServeException, KVLeaseExpired, ReplicaStalled)
 REPLICA_RETRY_AFTER_S = 1  # Retry-After of a 503 when a replica failed: Serve routes around it, or restarts it
 logger = logging.getLogger("ray.serve")
 

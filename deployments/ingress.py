@@ -121,7 +121,8 @@ def openai_error_events(error: BaseException) -> str:
 class Ingress:
     def __init__(self, args: AppArgs, llm=None, prefill=None, decode=None, embedder=None) -> None:
         self.args = args
-        self.backend = ColocatedBackend(llm) if llm is not None else PDBackend(prefill, decode, args.kv_lease_s)
+        self.backend = (ColocatedBackend(llm, args.stall_timeout_s) if llm is not None
+                        else PDBackend(prefill, decode, args.kv_lease_s, args.stall_timeout_s))
         self.embedder = embedder
         self.metrics = IngressMetrics()
         self.spans = SpanWriter(args.traces_exporter) if args.traces_exporter != "none" else None

@@ -6,23 +6,23 @@ the engine's own priority scheduler, not Ray Serve's FIFO routing, orders the re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-import logging
-import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
-import numpy as np
 import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
+from deployments.kv_connector import ObjectStoreConnector, PrefillReply
+from deployments.liveness import Accepted, Heartbeat, LivenessRouter, heartbeats, replica_id
 from deployments.tracing import KVTransfer
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.kv_transfer import KVPayload
-from engine.outputs import KVWanted, PrefillResult, RequestOutput
+from engine.outputs import KVWanted, RequestOutput
 from engine.request import GenerationRequest
 
-logger = logging.getLogger(__name__)
+# The streaming servers' router keeps new requests off a replica the ingress found stalled.
+ROUTER = RequestRouterConfig(request_router_class=LivenessRouter)
 
 
 @dataclass
@@ -37,23 +37,6 @@ class ModelInfo:
     node_id: str
     dtype: str
     enable_prefix_caching: bool
-
-
-@dataclass
-class DecodeAccepted:
-    """D's first item: it has taken the request (and a reference to its KV)."""
-
-
-@dataclass
-class PrefillReply:
-    """P's answer: each choice's first-token output and, unless P finished every choice, the
-    handoff for D: the prefill result without its KV bytes. The ingress adds the reference to
-    those bytes in Ray's object store (one for all choices; PDBackend): in a list, so that Ray
-    passes it on to D instead of resolving it."""
-
-    outputs: list[RequestOutput]
-    handoff: PrefillResult | None
-    kv_ref: list[ray.ObjectRef] = field(default_factory=list)
 
 
 class _EngineServer:
@@ -78,61 +61,68 @@ class _EngineServer:
         self.engine.shutdown()
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1})
-class LLMServer(_EngineServer):
+class _StreamingServer(_EngineServer):
+    """A server whose calls stream tokens for a long time: it says so when it takes a call, and
+    that it is alive while it has nothing to send."""
+
+    def __init__(self, engine_config: EngineConfig, heartbeat_s: float) -> None:
+        super().__init__(engine_config)
+        self.heartbeat_s = heartbeat_s
+
+    async def _streamed(self, items: AsyncIterator) -> AsyncIterator:
+        """A stream's items after ``Accepted``, with heartbeats while it has nothing to send
+        (deployments/liveness.py)."""
+        yield Accepted(replica_id())
+        async for item in heartbeats(items, self.heartbeat_s, self.engine.is_alive):
+            yield item
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
+class LLMServer(_StreamingServer):
     """Prefill and decode in one engine: small deployments, and the baseline for PD."""
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        async for output in self.engine.generate(request):
-            yield output
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Accepted | Heartbeat | RequestOutput]:
+        async for item in self._streamed(self.engine.generate(request)):
+            yield item
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 class PrefillServer(_EngineServer):
-    async def prefill(self, request: GenerationRequest) -> AsyncIterator[PrefillReply | np.ndarray]:
-        """P's reply, then, unless the first token ended every choice, the prompt's KV bytes
-        [L, 2, T, Hkv, D] as a second item. Ray stores each item of a stream as an object owned
-        by the caller (the ingress), not by this replica: the KV stays readable on this node if
-        this replica dies or is scaled down after it answered (``ray.put`` here would lose it)."""
-        outputs = await self.engine.prefill(request)
-        result = next((o.prefill for o in outputs if o.prefill is not None), None)
-        outputs = [replace(o, prefill=None) for o in outputs]  # the KV bytes travel apart, once
-        if result is None:
-            yield PrefillReply(outputs, None)
-            return
-        yield PrefillReply(outputs, replace(result, kv=KVPayload(result.kv.meta, None)))
-        yield result.kv.data
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 1})
-class DecodeServer(_EngineServer):
     def __init__(self, engine_config: EngineConfig) -> None:
         super().__init__(engine_config)
-        self.transfers = {"count": 0, "bytes": 0, "seconds": 0.0}
+        self.kv = ObjectStoreConnector()
+
+    async def prefill(self, request: GenerationRequest) -> AsyncIterator:
+        """P's reply, then, unless the first token ended every choice, the prompt's KV (the
+        connector's items: deployments/kv_connector.py)."""
+        for item in self.kv.send(await self.engine.prefill(request)):
+            yield item
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
+class DecodeServer(_StreamingServer):
+    def __init__(self, engine_config: EngineConfig, heartbeat_s: float) -> None:
+        super().__init__(engine_config, heartbeat_s)
+        self.kv = ObjectStoreConnector()
 
     async def decode(self, request: GenerationRequest, reply: PrefillReply
-                     ) -> AsyncIterator[DecodeAccepted | KVTransfer | RequestOutput]:
-        """Take the request (``DecodeAccepted`` at once: the ingress's lease ends there), queue it
-        in the engine without its KV, fetch the KV from the object store once the engine holds
-        blocks for it (``KVWanted``), then stream the tokens after the first. Yields the fetch's
-        KVTransfer (for the request's trace) before them."""
-        yield DecodeAccepted()
+                     ) -> AsyncIterator[Accepted | Heartbeat | KVTransfer | RequestOutput]:
+        """Take the request (``Accepted`` at once: the ingress's lease ends there), queue it in the
+        engine without its KV, load the KV once the engine holds blocks for it (``KVWanted``), then
+        stream the tokens after the first. Yields the load's KVTransfer (for the request's trace)
+        before them."""
+        async for item in self._streamed(self._decoded(request, reply)):
+            yield item
+
+    async def _decoded(self, request: GenerationRequest, reply: PrefillReply) -> AsyncIterator:
         async for item in self.engine.decode(request, reply.handoff):
             if not isinstance(item, KVWanted):
                 yield item
                 continue
-            start = time.time()
-            data = await reply.kv_ref[0]  # zero-copy for numpy when the object is on this node
-            transfer = KVTransfer(data.nbytes, start, time.time())
-            self._record_transfer(transfer)
+            data, transfer = await self.kv.load(reply)
             self.engine.receive_kv(request.request_id, data)
             yield transfer
 
-    def _record_transfer(self, transfer: KVTransfer) -> None:
-        self.transfers["count"] += 1
-        self.transfers["bytes"] += transfer.nbytes
-        self.transfers["seconds"] += transfer.end - transfer.start
-
     def kv_transfers(self) -> dict:
         """Transfers into this replica so far: count, bytes, seconds."""
-        return dict(self.transfers)
+        return dict(self.kv.transfers)

@@ -73,9 +73,9 @@ def processes(deployment: str, app: str = "pd") -> list[psutil.Process]:
 
 
 @contextlib.contextmanager
-def stopped(deployment: str, app: str = "pd"):
-    """SIGSTOP every replica of ``deployment``; SIGCONT on the way out."""
-    stopped_now = processes(deployment, app)
+def stopped(deployment: str, app: str = "pd", only: psutil.Process | None = None):
+    """SIGSTOP every replica of ``deployment`` (or ``only`` that one's process); SIGCONT on the way out."""
+    stopped_now = [only] if only else processes(deployment, app)
     assert stopped_now
     for process in stopped_now:
         process.send_signal(signal.SIGSTOP)

@@ -1,12 +1,14 @@
 """Faults, injected for real, against the failure contract (docs/serving.md): a D replica killed
-mid-stream (one of two), the one colocated replica killed mid-stream, P killed between its reply
-and D's fetch, D stopped through every KV lease. Each fault is proven (a replica or process is
-gone, the ingress counted migrations); every stream completes with the tokens a fault-free run
-gives (seeded sampling too: the migrated continuation is the same sampling process) or ends with
-its dialect's clean error; nothing of Ray's reaches a client; serving goes on."""
+mid-stream (one of two), a D replica stopped mid-stream (one of two), the one colocated replica
+killed mid-stream, P killed between its reply and D's fetch, D stopped through every KV lease.
+Each fault is proven (a replica or process is gone or still stopped, the ingress counted
+migrations); every stream completes with the tokens a fault-free run gives (seeded sampling too:
+the migrated continuation is the same sampling process) or ends with its dialect's clean error;
+nothing of Ray's reaches a client; serving goes on."""
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import threading
 import time
@@ -27,6 +29,7 @@ from tests.serving import (RAY_INTERNALS, migrations, processes, replicas, serve
 LONG = 1500  # tokens a stream asks for: it is still running when the replica is killed
 DECODE_REPLICAS = 2
 KV_LEASE_S = 6
+STALL_TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def base_url():
         # float32: a migrated stream recomputes its tokens' KV in one prefill, and only fp32 makes that
         # equal to the KV the decode steps wrote (in bf16, greedy choices between near-ties may flip).
         serve.run(pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
-                          "kv_lease_s": KV_LEASE_S},
+                          "kv_lease_s": KV_LEASE_S, "stall_timeout_s": STALL_TIMEOUT_S},
                          decode_options={"num_replicas": DECODE_REPLICAS}), name="pd", route_prefix="/")
         serve.run(colocated_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32"}),
                   name="co", route_prefix="/co")
@@ -72,8 +75,8 @@ def text_of(path: str, events: list[dict]) -> str:
     return "".join(e["choices"][0]["text"] for e in events)
 
 
-def read_stream(url: str, path: str, body: dict, started: concurrent.futures.Future, kill_done) -> str:
-    """Read five events, say so, wait for the kill, read the rest; the text delivered."""
+def read_stream(url: str, path: str, body: dict, started: concurrent.futures.Future, fault_done) -> str:
+    """Read five events, say so, wait for the fault, read the rest; the text delivered."""
     events = []
     with httpx.stream("POST", f"{url}{path}", json=body, timeout=300) as response:
         assert response.status_code == 200
@@ -86,7 +89,7 @@ def read_stream(url: str, path: str, body: dict, started: concurrent.futures.Fut
                 assert "error" not in events[-1], line
             if len(events) == 5 and not started.done():
                 started.set_result(True)
-                kill_done.wait(60)
+                fault_done.wait(60)
     return text_of(path, events)
 
 
@@ -110,26 +113,56 @@ def test_each_failure_maps_to_a_status_a_client_can_act_on():
         assert not RAY_INTERNALS.search(json.dumps(told[kind].body())), told[kind].body()
 
 
+@contextlib.contextmanager
+def streams_running(url: str):
+    """The four streams of ``bodies``, each having read five events and waiting for the fault:
+    yields their texts' futures and the event that lets them read on."""
+    fault_done = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        started = [concurrent.futures.Future() for _ in bodies(True)]
+        texts = [pool.submit(read_stream, url, path, body, f, fault_done)
+                 for (path, body), f in zip(bodies(True), started)]
+        concurrent.futures.wait(started, timeout=120)
+        try:
+            yield texts, fault_done
+        finally:
+            fault_done.set()
+
+
 @pytest.mark.slow
 def test_decode_replica_killed_mid_stream_every_stream_completes(base_url):
     before_kill = migrations(base_url)
     replicas = decode_replicas()
     assert len(replicas) == DECODE_REPLICAS
-    kill_done = threading.Event()
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        started = [concurrent.futures.Future() for _ in bodies(True)]
-        texts = [pool.submit(read_stream, base_url, path, body, f, kill_done)
-                 for (path, body), f in zip(bodies(True), started)]
-        concurrent.futures.wait(started, timeout=120)
+    with streams_running(base_url) as (texts, fault_done):
         killed = sorted(replicas)[0]  # the router spreads four streams over both replicas
         ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=True)
-        kill_done.set()
+        fault_done.set()
         streamed = [t.result(timeout=300) for t in texts]
     assert migrations(base_url) > before_kill  # streams were on the killed replica, and moved
     assert killed not in decode_replicas()
     # No token lost or repeated: each text is the one a fault-free run of the same request gives.
     assert streamed == [reference_text(base_url, path, body) for path, body in bodies(False)]
     serving_resumes(base_url, killed)
+
+
+@pytest.mark.slow
+def test_decode_replica_stopped_mid_stream_its_streams_move_and_complete_while_it_stays_stopped(base_url):
+    """SIGSTOP kills nothing, so Ray reports nothing: the ingress must notice the silence (no token,
+    no heartbeat for STALL_TIMEOUT_S), move the streams to the other D, and keep the migrated
+    requests off the stopped one (else each would wait out a KV lease there and move again)."""
+    before = migrations(base_url)
+    with streams_running(base_url) as (texts, fault_done):
+        frozen = min(processes("DecodeServer"), key=lambda p: p.pid)  # the router spread the four over both
+        with stopped("DecodeServer", only=frozen):
+            fault_done.set()
+            streamed = [t.result(timeout=300) for t in texts]  # every stream ended while D was stopped
+            moved = migrations(base_url) - before
+        assert frozen.is_running()  # stopped, never killed: only the ingress's watch could see it
+    assert 0 < moved <= len(texts)  # each stream on the stopped D moved once, to the live one
+    assert streamed == [reference_text(base_url, path, body) for path, body in bodies(False)]
+    # Running again, the stopped D learns its calls were cancelled and frees what they held.
+    assert wait_until(lambda: engines_idle("DecodeServer"), 120)
 
 
 def serving_resumes(url: str, killed: str) -> None:
@@ -168,7 +201,7 @@ def test_prefill_killed_after_its_reply_before_decode_fetched_the_kv(base_url):
     """Through the ingress's own seam (PDBackend), so that nothing stands between P's reply and
     D's call but the fault: P answers, P's process is SIGKILLed and gone, then D fetches the KV."""
     backend = PDBackend(serve.get_deployment_handle("PrefillServer", "pd"),
-                        serve.get_deployment_handle("DecodeServer", "pd"), KV_LEASE_S)
+                        serve.get_deployment_handle("DecodeServer", "pd"), KV_LEASE_S, STALL_TIMEOUT_S)
     params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
     # A prompt whose KV is larger than what Ray inlines (100 KiB): it lives in P's node's object store.
     prompt = [1] + [(7 * i) % 800 + 3 for i in range(600)]

@@ -28,7 +28,8 @@ def custom_pd(args: dict, decode_config: dict, decode_cpus: float):
     args = AppArgs.model_validate(args)
     prefill = PrefillServer.options(ray_actor_options={"num_cpus": 0}).bind(args.engine_config())
     decode_args = args.model_copy(update=decode_config)
-    decode = DecodeServer.options(ray_actor_options={"num_cpus": decode_cpus}).bind(decode_args.engine_config())
+    decode = DecodeServer.options(ray_actor_options={"num_cpus": decode_cpus})
+    decode = decode.bind(decode_args.engine_config(), decode_args.heartbeat_s)
     return Ingress.bind(args, prefill=prefill, decode=decode)
 
 

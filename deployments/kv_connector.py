@@ -1,0 +1,103 @@
+"""The one seam through which a prompt's KV goes from P to D (docs/serving.md, "The KV hand-off").
+
+Three sides, as vLLM's KV connector (scheduler side and worker side) and SGLang's sender and
+receiver split the job:
+
+- P, the sender (``send``): P's reply, carrying the KV's metadata but never its bytes, then the bytes;
+- the ingress, the owner (``claim``, ``release``): it holds the bytes' handle from P's reply until a
+  D replica has taken the request, and that handle keeps the bytes alive even if P dies;
+- D, the receiver (``load``): it fetches the bytes, once its engine holds blocks for them.
+
+The engine's side of the hand-off (D allocates blocks before the bytes move, the request waits in
+``RECEIVING``, ``receive_kv``, aborts free the blocks) is in engine/ and knows no transport. The
+transport here is Ray's object store. Another transport implements ``KVConnector``'s four methods;
+the engine, the servers and the ingress stay as they are.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+import time
+from typing import Any, Iterator
+
+import numpy as np
+from ray.serve.handle import DeploymentResponseGenerator
+
+from deployments.tracing import KVTransfer
+from engine.kv_transfer import KVPayload
+from engine.outputs import PrefillResult, RequestOutput
+
+
+@dataclass
+class PrefillReply:
+    """P's answer: each choice's first-token output and, unless P finished every choice, the
+    handoff for D: the prefill result without its KV bytes. ``kv`` holds the transport's handle to
+    those bytes (one for all choices), set by the ingress's ``claim``; in a list, so that Ray passes
+    an ObjectRef on to D instead of resolving it."""
+
+    outputs: list[RequestOutput]
+    handoff: PrefillResult | None = None  # its kv.data is None
+    kv: list = field(default_factory=list)
+
+
+class KVConnector(ABC):
+    """A transport for P's KV. One instance per process; each side calls only its own methods."""
+
+    @abstractmethod
+    def send(self, outputs: list[RequestOutput]) -> Iterator[Any]:
+        """P: the items of P's stream for one request's ``prefill`` outputs (by choice index)."""
+
+    @abstractmethod
+    async def claim(self, call: DeploymentResponseGenerator) -> PrefillReply:
+        """The ingress: P's reply, read from its streaming call to P's ``prefill`` (which yields
+        what ``send`` made), with the handle to the KV bytes in ``reply.kv``; the ingress owns them
+        from here."""
+
+    @abstractmethod
+    def release(self, reply: PrefillReply) -> None:
+        """The ingress: a D replica took the request and holds its own handle; drop ours."""
+
+    @abstractmethod
+    async def load(self, reply: PrefillReply) -> tuple[np.ndarray, KVTransfer]:
+        """D: the KV bytes [L, 2, T, Hkv, D] and how their fetch went."""
+
+
+class ObjectStoreConnector(KVConnector):
+    """Ray's object store. P yields the bytes as a second item of its stream: Ray owns each item
+    of a stream by the caller (the ingress), not by P's worker, and keeps it on P's node, so the KV
+    stays readable if P's replica dies or is scaled down after it answered (a ``ray.put`` in P
+    would lose it). numpy, so a reader on P's node gets the bytes without a copy. The object goes
+    away with its last reference: the ingress's, dropped when D takes the request, and D's call's,
+    when the request ends, however it ends."""
+
+    def __init__(self) -> None:
+        self.transfers = {"count": 0, "bytes": 0, "seconds": 0.0}  # D: fetches into this replica so far
+
+    def send(self, outputs: list[RequestOutput]) -> Iterator[PrefillReply | np.ndarray]:
+        result = next((o.prefill for o in outputs if o.prefill is not None), None)
+        outputs = [replace(o, prefill=None) for o in outputs]  # the KV bytes travel apart, once
+        if result is None:
+            yield PrefillReply(outputs)
+            return
+        yield PrefillReply(outputs, replace(result, kv=KVPayload(result.kv.meta, None)))
+        yield result.kv.data
+
+    async def claim(self, call: DeploymentResponseGenerator) -> PrefillReply:
+        items = await call._to_object_ref_gen()  # references to P's items: the bytes stay where they are
+        reply: PrefillReply = await (await anext(items))
+        if reply.handoff is not None:
+            reply.kv = [await anext(items)]  # the reference, not the bytes
+        return reply
+
+    def release(self, reply: PrefillReply) -> None:
+        reply.kv.clear()
+
+    async def load(self, reply: PrefillReply) -> tuple[np.ndarray, KVTransfer]:
+        start = time.time()
+        data = await reply.kv[0]  # zero-copy for numpy when the object is on this node
+        transfer = KVTransfer(data.nbytes, start, time.time())
+        self.transfers["count"] += 1
+        self.transfers["bytes"] += transfer.nbytes
+        self.transfers["seconds"] += transfer.end - transfer.start
+        return data, transfer
