@@ -42,6 +42,9 @@ class AppArgs(BaseModel):
     stall_timeout_s: float = Field(5.0, gt=0, description="seconds without a token or a heartbeat after which "
                                    "the ingress takes a streaming replica for stalled and moves its request "
                                    "(deployments/liveness.py); the replica says it is alive 4 times as often")
+    max_logits_floats: int = Field(1 << 24, gt=0, description="/infer_token: the most floats return_context_logits "
+                                   "or return_generation_logits may return per request (4 bytes each); "
+                                   "beyond it, a 400 before any work")
     max_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get a 413")
     embeddings: bool = Field(True, description="serve /v1/embeddings (all-MiniLM-L6-v2) in its own deployment")
     traces_exporter: Literal["none", "console"] = Field(

@@ -217,8 +217,10 @@ class Ingress:
         http.state.priority = body.parameters.priority
         info = await self.model_info()
         try:
+            limits = mindie.ServedLimits(info.vocab_size, info.max_iter_times + isinstance(self.backend, PDBackend),
+                                         self.args.max_logits_floats)
             request = mindie.to_generation_request(body, f"infer-{uuid.uuid4().hex}",
-                                                   http.state.arrival + body.parameters.timeout, info.vocab_size)
+                                                   http.state.arrival + body.parameters.timeout, limits)
         except ValueError as error:
             raise client_error(error) from None
         first, stream, trace = await self.start(request, http, "mindie")
@@ -235,10 +237,10 @@ class Ingress:
         """prefill_time: arrival to the first token; decode_time: since the previous token (the trace's clock)."""
         sent = [first]
         try:
-            yield mindie.stream_event(first, body, True, trace.phases().get("ttft", 0.0) * 1000.0)
+            yield mindie.stream_event(sent, body, True, trace.phases().get("ttft", 0.0) * 1000.0)
             async for output in stream:
                 sent.append(output)
-                yield mindie.stream_event(output, body, False, trace.last_gap * 1000.0)
+                yield mindie.stream_event(sent, body, False, trace.last_gap * 1000.0)
         except Exception as error:  # the stream has begun: end it with MindIE's last event, err_msg set
             yield mindie.error_event(sent, client_error(error).message)
         finally:

@@ -100,8 +100,8 @@ def _legs(request: GenerationRequest, so_far: list[ChoiceSoFar], migration: int
         if c.finished:
             continue
         seed = c.seed if c.started else (choice_seed(base, c.index) if base else None)
-        # The prompt's logprobs reached the client with the first tokens: not scored again.
-        params = replace(request.params, seed=seed, prompt_logprobs=None)
+        # The prompt's logprobs and logits reached the ingress with the first tokens: not computed again.
+        params = replace(request.params, seed=seed, prompt_logprobs=None, return_context_logits=False)
         legs.append((replace(request, request_id=f"{tag}.{c.index}", params=params, n=1,
                              resumed_output_ids=list(c.token_ids), resumed_logprob=c.logprob), c.index))
     return legs

@@ -9,8 +9,11 @@ GenerationRequest, and the response shapes: one JSON object, or server-sent even
 
 from __future__ import annotations
 
+import base64
+from dataclasses import dataclass
 from typing import Annotated
 
+import numpy as np
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from deployments.json_types import Seed, StrictModel, TokenId, sse_event
@@ -54,6 +57,10 @@ class InferParameters(StrictModel):
     return_log_probs: StrictBool = False
     top_log_probs: StrictInt = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token")
     ignore_eos: StrictBool = False
+    return_context_logits: StrictBool = Field(
+        False, description="details.context_logits: the prompt's raw logits [input tokens, vocab] (docs/api.md)")
+    return_generation_logits: StrictBool = Field(
+        False, description="details.generation_logits: each output token's raw logits [1, output tokens, vocab]")
 
 
 class InferTokenRequest(StrictModel):
@@ -63,10 +70,21 @@ class InferTokenRequest(StrictModel):
     parameters: InferParameters = Field(default_factory=InferParameters)
 
 
+@dataclass
+class ServedLimits:
+    """What only the served model and the app's arguments can check in a request."""
+
+    vocab_size: int
+    max_output_tokens: int  # the most tokens a request can get: max_iter_times (+ P's first in PD)
+    max_logits_floats: int  # AppArgs.max_logits_floats
+
+
 def to_generation_request(body: InferTokenRequest, request_id: str, deadline: float,
-                          vocab_size: int) -> GenerationRequest:
+                          limits: ServedLimits) -> GenerationRequest:
     """Raises ValueError naming the field for what only the served model can check."""
     p = body.parameters
+    vocab_size = limits.vocab_size
+    check_logits_size(p, len(body.input_id), limits)
     bad = [i for i in body.input_id if i >= vocab_size]
     if bad:
         raise ValueError(f"input_id: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
@@ -88,39 +106,73 @@ def to_generation_request(body: InferTokenRequest, request_id: str, deadline: fl
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, no_repeat_ngram_size=p.no_repeat_ngram_size,
         bad_words_ids=p.bad_words, stop_token_ids=p.stop_words, logit_bias=logit_bias, seed=p.seed,
-        logprobs=p.top_log_probs if p.return_log_probs else None, ignore_eos=p.ignore_eos, eos_token_id=p.end_id)
+        logprobs=p.top_log_probs if p.return_log_probs else None, ignore_eos=p.ignore_eos, eos_token_id=p.end_id,
+        return_context_logits=p.return_context_logits, return_generation_logits=p.return_generation_logits)
     return GenerationRequest(request_id, body.input_id, params, priority=p.priority, deadline=deadline)
 
 
-def details(final: RequestOutput, with_logprobs: bool) -> dict:
+def check_logits_size(p: InferParameters, num_input_tokens: int, limits: ServedLimits) -> None:
+    """Refuse, before any work, logits that would make an answer larger than the app allows."""
+    asked = {"return_context_logits": num_input_tokens if p.return_context_logits else 0,
+             "return_generation_logits": min(p.max_new_tokens, limits.max_output_tokens)
+             if p.return_generation_logits else 0}
+    for name, rows in asked.items():
+        floats = rows * limits.vocab_size
+        if floats > limits.max_logits_floats:
+            raise ValueError(f"parameters.{name}: {rows} rows of {limits.vocab_size} logits are {floats} floats, "
+                             f"more than this server returns ({limits.max_logits_floats}, max_logits_floats); "
+                             "ask for fewer tokens")
+
+
+def details(outputs: list[RequestOutput], p: InferParameters) -> dict:
+    """The last event's or the answer's ``details``: the final output's counts, and what was asked
+    for over all ``outputs``."""
+    final = outputs[-1]
     out = {"finish_reason": FINISH_REASONS[final.finish_reason], "generated_tokens": final.num_output_tokens,
            "seed": final.seed}
     if final.finish_reason in (ABORT, TIMEOUT):
         out["err_msg"] = "request timed out" if final.finish_reason == TIMEOUT else "request cancelled"
-    if with_logprobs:
+    if p.return_log_probs:
         out["cumulative_logprob"] = final.cumulative_logprob
+    if p.return_context_logits and outputs[0].context_logits is not None:
+        out["context_logits"] = encode_floats(outputs[0].context_logits)
+    if p.return_generation_logits:
+        rows = [o.generation_logits for o in outputs if o.generation_logits is not None]
+        out["generation_logits"] = encode_floats(np.concatenate(rows)[None] if rows else np.zeros((1, 0, 0)))
     return out
+
+
+def encode_floats(array: np.ndarray) -> dict:
+    """An array on the wire: its shape, and its values as base64 of little-endian float32 (docs/api.md)."""
+    return {"shape": list(array.shape), "dtype": "float32",
+            "data": base64.b64encode(np.ascontiguousarray(array, dtype="<f4").tobytes()).decode()}
+
+
+def with_details(p: InferParameters) -> bool:
+    """``details`` is in the answer when asked for, and whenever logits are (they live in it)."""
+    return p.details or p.return_context_logits or p.return_generation_logits
 
 
 def text_response(outputs: list[RequestOutput], body: InferTokenRequest) -> dict:
     final = outputs[-1]
     response = {"generated_text": final.text}
-    if body.parameters.details:
-        response["details"] = details(final, body.parameters.return_log_probs)
+    if with_details(body.parameters):
+        response["details"] = details(outputs, body.parameters)
         if body.parameters.return_log_probs:
             response["details"]["tokens"] = [_token(lp.token_id, None, lp) for o in outputs for lp in o.logprobs]
     return response
 
 
-def stream_event(output: RequestOutput, body: InferTokenRequest, first: bool, elapsed_ms: float) -> str:
-    """One SSE event per token; the last also carries generated_text and details."""
+def stream_event(sent: list[RequestOutput], body: InferTokenRequest, first: bool, elapsed_ms: float) -> str:
+    """One SSE event per token (``sent[-1]``'s); the last also carries generated_text and details."""
+    output = sent[-1]
     logprob = output.logprobs[0] if output.logprobs else None
     event = {"prefill_time": round(elapsed_ms, 2) if first else None,
              "decode_time": None if first else round(elapsed_ms, 2),
              "token": _token(output.new_token_ids[0], output.new_text, logprob) if output.new_token_ids else None}
     if output.finished:
         event["generated_text"] = output.text
-        event["details"] = details(output, body.parameters.return_log_probs)
+        event["details"] = details(sent, body.parameters)
     return sse_event(event)
 
 

@@ -20,7 +20,9 @@ import itertools
 import logging
 import random
 import time
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.block_manager import BlockCounts, BlockManager
@@ -28,7 +30,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_transfer import KVPayload, check_compatible
 from engine.loader import load_model
-from engine.model_runner import ModelRunner, kv_pool_blocks
+from engine.model_runner import ModelRunner, StepResult, kv_pool_blocks
 from engine.outputs import (ABORT, EOS, LENGTH, STOP, TIMEOUT, ChoiceStart, PrefillResult, RequestOutput,
                             TokenLogprob)
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
@@ -38,6 +40,14 @@ from sampling.grammar import GrammarCompiler, GrammarDeadEnd, Matcher, MatcherSt
 from sampling.params import MAX_SEED, choice_seed
 
 logger = logging.getLogger(__name__)
+
+
+class Sampled(NamedTuple):
+    """One sampled row: the token, its logprob when asked for, its raw logits [1, V] when asked for."""
+
+    token_id: int
+    logprob: TokenLogprob | None
+    logits: np.ndarray | None
 
 
 class LLMEngine:
@@ -196,8 +206,13 @@ class LLMEngine:
             result = self.runner.run(batch, rows, repeats)
             for scores in result.prompt_scores:
                 scores.seq.prompt_logprobs[scores.first:scores.first + len(scores.entries)] = scores.entries
+            for kept in result.context_logits:  # by position: a preempted prompt's rows come again
+                seq = kept.seq
+                if seq.context_logits is None:
+                    seq.context_logits = torch.empty(seq.num_prompt_tokens, kept.logits.shape[1])
+                seq.context_logits[kept.first:kept.first + len(kept.logits)] = kept.logits
             self.scheduler.commit(batch)
-            outputs += self._postprocess(batch, result.sampled, repeats)
+            outputs += self._postprocess(batch, result, repeats)
         return outputs
 
     def _sampled_choices(self, seq: Sequence) -> list[PendingChoice]:
@@ -237,21 +252,28 @@ class LLMEngine:
         """The request's end id (TensorRT-LLM's end_id), else the model's EOS ids."""
         return [params.eos_token_id] if params.eos_token_id is not None else self.loaded.eos_token_ids
 
-    def _postprocess(self, batch: ScheduledBatch, sampled: SamplerOutput | None,
-                     repeats: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, batch: ScheduledBatch, result: StepResult, repeats: list[int]) -> list[RequestOutput]:
         outputs, row = [], 0
         for (seq, _), repeat in zip(batch.entries, repeats):
             if not repeat:
                 continue
-            tokens = [(sampled.token_ids[r], self._logprob(sampled, r)) for r in range(row, row + repeat)]
+            tokens = [Sampled(result.sampled.token_ids[r], self._logprob(result.sampled, r),
+                              self._generation_logits(seq, result, r)) for r in range(row, row + repeat)]
             row += repeat
             if seq.mode is Mode.PREFILL:
                 outputs += self._hand_over(seq, list(zip(self._sampled_choices(seq), tokens)))
                 continue
             if seq.pending_choices:
                 outputs += self._fork_choices(seq, tokens[1:])
-            outputs += self._append_token(seq, *tokens[0])
+            outputs += self._append_token(seq, tokens[0])
         return outputs
+
+    @staticmethod
+    def _generation_logits(seq: Sequence, result: StepResult, row: int) -> np.ndarray | None:
+        """[1, V] float32: row's raw logits, when seq's request asked for them."""
+        if not seq.params.return_generation_logits:
+            return None
+        return result.sample_logits[row:row + 1].numpy()
 
     @staticmethod
     def _logprob(sampled: SamplerOutput, row: int) -> TokenLogprob | None:
@@ -259,7 +281,7 @@ class LLMEngine:
             return None
         return TokenLogprob(sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs[row])
 
-    def _fork_choices(self, seq: Sequence, sampled: list[tuple[int, TokenLogprob | None]]) -> list[RequestOutput]:
+    def _fork_choices(self, seq: Sequence, sampled: list[Sampled]) -> list[RequestOutput]:
         """The prompt is computed: start the request's other choices, sharing its blocks. Their
         first tokens are ``sampled`` (GENERATE) or came from P (DECODE)."""
         choices, seq.pending_choices = seq.pending_choices, []
@@ -271,10 +293,11 @@ class LLMEngine:
                 self._start_from_first_token(child, choice)
             else:
                 self._add_detokenizer(child)
-                outputs += self._append_token(child, *token)
+                outputs += self._append_token(child, token)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> list[RequestOutput]:
+    def _append_token(self, seq: Sequence, sampled: Sampled) -> list[RequestOutput]:
+        token, logprob = sampled.token_id, sampled.logprob
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = time.time()
@@ -285,11 +308,11 @@ class LLMEngine:
         try:
             complete = self._grammar_complete(seq)
         except GrammarDeadEnd as error:
-            return self._finish(seq, ABORT, [token], text, logprobs, error=str(error))
+            return self._finish(seq, ABORT, [token], text, logprobs, error=str(error), logits=sampled.logits)
         reason = self._finish_reason(seq, token, complete or stopped)
         if reason is not None:
-            return self._finish(seq, reason, [token], text, logprobs)
-        return [self._output(seq, [token], text, logprobs, finished=False)]
+            return self._finish(seq, reason, [token], text, logprobs, logits=sampled.logits)
+        return [self._output(seq, [token], text, logprobs, finished=False, logits=sampled.logits)]
 
     def _finish_reason(self, seq: Sequence, token: int, stopped: bool) -> str | None:
         """``stopped``: a stop string ended the text, or the grammar is complete."""
@@ -307,13 +330,12 @@ class LLMEngine:
             return LENGTH
         return None
 
-    def _hand_over(self, seq: Sequence, firsts: list[tuple[PendingChoice, tuple[int, TokenLogprob | None]]]
-                   ) -> list[RequestOutput]:
+    def _hand_over(self, seq: Sequence, firsts: list[tuple[PendingChoice, Sampled]]) -> list[RequestOutput]:
         """PREFILL mode, the prompt computed: each choice reports its first token; those that it
         does not finish go to D with one export of the prompt's KV. The blocks are freed here."""
         seq.first_token_time = time.time()
         outputs, going = [], []
-        for choice, (token, logprob) in firsts:
+        for choice, (token, logprob, logits) in firsts:
             # The choice as it stands after this token (a resumed request's earlier output before
             # it), never scheduled: its detokenizer and grammar state are made here and dropped.
             probe = seq.fork(choice)
@@ -331,7 +353,7 @@ class LLMEngine:
                 cumulative_logprob=seq.cumulative_logprob + logprob.logprob if logprob else None,
                 first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
                 scheduled_time=seq.scheduled_time, index=choice.index,
-                prompt_logprobs=seq.prompt_logprobs)
+                prompt_logprobs=seq.prompt_logprobs, context_logits=self._context_logits(seq), generation_logits=logits)
             if output.finished:
                 output.new_text += detok.finish()
                 output.output_token_ids, output.text = probe.output_ids, detok.text
@@ -349,13 +371,14 @@ class LLMEngine:
         return outputs
 
     def _finish(self, seq: Sequence, reason: str, tokens: list[int], text: str,
-                logprobs: list[TokenLogprob], error: str | None = None) -> list[RequestOutput]:
+                logprobs: list[TokenLogprob], error: str | None = None,
+                logits: np.ndarray | None = None) -> list[RequestOutput]:
         """End ``seq`` (and its choices still to fork, which end with it)."""
         outputs = [self._end_unforked(seq, choice, reason, error) for choice in seq.pending_choices]
         seq.finish_reason = reason
         detok = self._detokenizers[seq.key]
         text += detok.finish()
-        output = self._output(seq, tokens, text, logprobs, finished=True)
+        output = self._output(seq, tokens, text, logprobs, finished=True, logits=logits)
         output.output_token_ids = seq.output_ids
         output.text = detok.text
         output.error = error
@@ -381,7 +404,7 @@ class LLMEngine:
         self._matchers.pop(seq.key, None)
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob],
-                finished: bool) -> RequestOutput:
+                finished: bool, logits: np.ndarray | None = None) -> RequestOutput:
         wants_logprobs = seq.params.logprobs is not None
         first_token = bool(tokens) and seq.num_output_tokens == 1
         return RequestOutput(
@@ -390,7 +413,12 @@ class LLMEngine:
             cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
             first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
             scheduled_time=seq.scheduled_time, index=seq.index,
-            prompt_logprobs=seq.prompt_logprobs if first_token else None)
+            prompt_logprobs=seq.prompt_logprobs if first_token else None,
+            context_logits=self._context_logits(seq) if first_token else None, generation_logits=logits)
+
+    @staticmethod
+    def _context_logits(seq: Sequence) -> np.ndarray | None:
+        return seq.context_logits.numpy() if seq.context_logits is not None else None
 
     # ---- synchronous helpers (tests, benchmarks, the CLI) ------------------------------
 

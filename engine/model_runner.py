@@ -2,7 +2,7 @@
 
 ``run`` turns a ScheduledBatch into one flat batch of tokens, runs one forward over it,
 computes logits only for the rows that sample (and, for a request that asked for prompt
-logprobs, the rows of its prompt chunk), and samples them. Before the forward it writes
+logprobs or context logits, the rows of its prompt chunk), and samples them. Before the forward it writes
 imported KV and makes the block copies of copy-on-write.
 """
 
@@ -36,9 +36,22 @@ class PromptScores:
 
 
 @dataclass
+class ContextRows:
+    """The raw logits of prompt positions [first, first + len(logits)) of ``seq``, computed this step."""
+
+    seq: Sequence
+    first: int
+    logits: torch.Tensor  # [t, V] float32, on the host
+
+
+@dataclass
 class StepResult:
     sampled: SamplerOutput | None  # None when no entry reached its last token
     prompt_scores: list[PromptScores] = field(default_factory=list)
+    context_logits: list[ContextRows] = field(default_factory=list)
+    # [R, V] float32 on the host: the sampled rows' raw logits, before any processor; None unless
+    # a row's request asked for its generation logits.
+    sample_logits: torch.Tensor | None = None
 
 
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
@@ -99,6 +112,7 @@ class ModelRunner:
         self.copy_blocks(batch.block_copies)
         decodes, prefills, sample_rows = [], [], []
         to_score = []  # (seq, first hidden row, first scored position, count)
+        to_keep = []  # (seq, first hidden row, first position, count): context logits
         inputs, flat = self._inputs_np, 0  # [3, N]: ids, positions, slots
         for (seq, n), samples, repeat in zip(batch.entries, batch.sampling, rows_per_entry):
             start = seq.num_computed_tokens
@@ -113,8 +127,11 @@ class ModelRunner:
             sample_rows += [flat + n - 1] * repeat
             # Row p's logits score the token at p + 1; the prompt's last row samples instead.
             scored = min(start + n, seq.num_prompt_tokens - 1) - start
-            if seq.scores_prompt and scored > 0:
+            if seq.prompt_logprobs is not None and scored > 0:
                 to_score.append((seq, flat, start + 1, scored))
+            in_prompt = min(start + n, seq.num_prompt_tokens) - start
+            if seq.wants_context_logits and in_prompt > 0:
+                to_keep.append((seq, flat, start, in_prompt))
             flat += n
         ids, positions, slot_mapping = self._inputs[:, :flat].to(self.device)
         attn = build_attention_batch(slot_mapping, decodes, prefills, self.windows, self.blocks.block_size,
@@ -124,11 +141,22 @@ class ModelRunner:
         scores = [PromptScores(seq, first, self._score(hidden[row:row + count], seq.token_ids[first:first + count],
                                                        seq.params.prompt_logprobs))
                   for seq, row, first, count in to_score]
+        context = [ContextRows(seq, first, self._raw_logits(hidden[row:row + count]))
+                   for seq, row, first, count in to_keep]
         if not sample_rows:
-            return StepResult(None, scores)
+            return StepResult(None, scores, context)
         logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [R, V]
-        return StepResult(self.sampler(logits, SamplingBatch.build(rows, self.loaded.spec.vocab_size, self.device)),
-                          scores)
+        vocab = self.loaded.spec.vocab_size
+        kept = None
+        if any(row.params.return_generation_logits for row in rows):  # copied before the sampler works on them
+            kept = logits[:, :vocab].to("cpu", torch.float32, copy=True)
+        return StepResult(self.sampler(logits, SamplingBatch.build(rows, vocab, self.device)), scores, context, kept)
+
+    def _raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, V] float32 on the host: the LM head over ``hidden`` [T, H], SCORE_ROWS rows at a time."""
+        vocab = self.loaded.spec.vocab_size
+        return torch.cat([self.loaded.model.compute_logits(hidden[i:i + SCORE_ROWS])[:, :vocab].to("cpu", torch.float32)
+                          for i in range(0, len(hidden), SCORE_ROWS)])
 
     def _score(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[TokenLogprob]:
         """Each row's log_softmax (float32, the model's raw distribution) at its target token, and

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.kv_transfer import KVPayload
 
 # Finish reasons. MindIE's values, plus the two ends a caller causes.
@@ -80,3 +82,7 @@ class RequestOutput:
     # On each choice's first output, when asked for (SamplingParams.prompt_logprobs): one entry
     # per prompt token, None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # When asked for (SamplingParams.return_*_logits), float32, the model's raw logits: on each
+    # choice's first output the prompt's [prompt tokens, V]; on every output its new tokens' [new, V].
+    context_logits: np.ndarray | None = None
+    generation_logits: np.ndarray | None = None

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 import time
 
+import torch
+
 from sampling import SamplingParams
 
 PRIORITY_MIN, PRIORITY_MAX = 1, 5  # 1 is served first
@@ -107,11 +109,15 @@ class Sequence:
         self.prompt_logprobs: list | None = None
         if self.params.prompt_logprobs is not None and mode is not Mode.DECODE:
             self.prompt_logprobs = [None] * self.num_prompt_tokens
+        # The prompt's raw logits [prompt tokens, V] float32, by position (a preempted prompt is
+        # computed again into the same rows), when asked for; DECODE never has them (P had).
+        self.wants_context_logits = self.params.return_context_logits and mode is not Mode.DECODE
+        self.context_logits: torch.Tensor | None = None  # made by the first chunk's rows
 
     @property
     def scores_prompt(self) -> bool:
-        """Whether the forward must score this sequence's prompt tokens (no prefix-cache hits)."""
-        return self.prompt_logprobs is not None
+        """Whether the forward must compute every prompt row's logits (no prefix-cache hits)."""
+        return self.prompt_logprobs is not None or self.wants_context_logits
 
     @property
     def key(self) -> tuple[str, int]:

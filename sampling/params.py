@@ -39,6 +39,10 @@ class SamplingParams:
     # token has none) plus the top N at its position. Such a prompt is computed whole, never
     # taken from the prefix cache: cached blocks hold KV, not the logits that score it.
     prompt_logprobs: int | None = None
+    # TensorRT-LLM's raw logits (float32, before any processor): the prompt's, one row per prompt
+    # token (computed whole, like prompt_logprobs), and each generated token's.
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
     ignore_eos: bool = False
     eos_token_id: int | None = None  # overrides the model's EOS (TensorRT-LLM's end_id)
     stop_token_ids: list[list[int]] = field(default_factory=list)  # token-id sequences

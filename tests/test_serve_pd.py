@@ -1,6 +1,9 @@
 """The PD and colocated apps on a real Ray Serve, over HTTP."""
 
+import base64
+
 import httpx
+import numpy as np
 import pytest
 from ray import serve
 
@@ -13,6 +16,7 @@ from tests.serving import element_size, serve_session, sse_events, wait_until
 
 PROMPTS = [[5, 6, 7, 8], list(range(10, 60)), [300, 301], list(range(100, 131))]
 CAP = 5  # max_iter_times of the "cap" apps
+MAX_LOGITS_FLOATS = 5000  # the cap apps': 5 rows of tiny-llama's 891 logits fit, 6 do not
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +25,9 @@ def base_url():
         common = {"torch_threads": 1, "embeddings": False}  # no test here embeds: four replicas fewer to start
         serve.run(pd_app(common), name="pd", route_prefix="/pd")
         serve.run(colocated_app(common), name="co", route_prefix="/co")
-        serve.run(pd_app({**common, "max_iter_times": CAP}), name="pdcap", route_prefix="/pdcap")
-        serve.run(colocated_app({**common, "max_iter_times": CAP}), name="cocap", route_prefix="/cocap")
+        capped = {**common, "max_iter_times": CAP, "max_logits_floats": MAX_LOGITS_FLOATS}
+        serve.run(pd_app(capped), name="pdcap", route_prefix="/pdcap")
+        serve.run(colocated_app(capped), name="cocap", route_prefix="/cocap")
         yield url
 
 
@@ -162,3 +167,48 @@ def test_pd_n_choices_share_one_prefill_and_d_reuses_imported_kv(base_url):
     assert hits >= (prompt_tokens - 1) // 16 * 16 > 0
     models = httpx.get(f"{base_url}/pd/v1/models", timeout=30).json()["data"][0]
     assert models["dtype"] == engine_stats("pd", "PrefillServer").dtype and models["enable_prefix_caching"] is True
+
+
+def decode_floats(encoded: dict) -> np.ndarray:
+    """docs/api.md's encoding: base64 of little-endian float32, the shape beside it."""
+    assert encoded["dtype"] == "float32"
+    return np.frombuffer(base64.b64decode(encoded["data"]), dtype="<f4").reshape(encoded["shape"])
+
+
+def test_logits_come_from_p_and_d_in_order_and_equal_one_engines(base_url):
+    engine = LLMEngine(EngineConfig(model="tiny-llama"))
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True, return_context_logits=True,
+                            return_generation_logits=True)
+    engine.add_request(GenerationRequest("ref", PROMPTS[3], params))
+    outputs = engine.run_to_completion()["ref"]
+    context = outputs[0].context_logits  # [31, 891]
+    generation = np.concatenate([o.generation_logits for o in outputs])[None]  # [1, 5, 891]
+    for app in ("pd", "co"):
+        for stream in (False, True):
+            answer = infer(base_url, app, PROMPTS[3], stream=stream, max_new_tokens=5, do_sample=False,
+                           ignore_eos=True, return_context_logits=True, return_generation_logits=True)
+            details = answer[-1]["details"] if stream else answer["details"]
+            assert details["context_logits"]["shape"] == [len(PROMPTS[3]), engine.vocab_size]
+            assert details["generation_logits"]["shape"] == [1, 5, engine.vocab_size]
+            np.testing.assert_allclose(decode_floats(details["context_logits"]), context, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(decode_floats(details["generation_logits"]), generation, atol=1e-5, rtol=0)
+    plain = infer(base_url, "pd", PROMPTS[3], max_new_tokens=2)["details"]
+    assert "context_logits" not in plain and "generation_logits" not in plain
+
+
+@pytest.mark.parametrize("app", ["pdcap", "cocap"])
+def test_logits_beyond_the_limit_are_refused_before_any_work(base_url, app):
+    """PD may return max_iter_times + 1 tokens (P's first), colocated max_iter_times: 6 and 5 rows."""
+    def ask(input_id, **parameters):
+        body = {"input_id": input_id, "parameters": {"max_new_tokens": 100, **parameters}}
+        return httpx.post(f"{base_url}/{app}/infer_token", json=body, timeout=120)
+
+    generation = ask(PROMPTS[0], return_generation_logits=True)
+    if app == "pdcap":
+        assert generation.status_code == 400
+        assert generation.json()["error"]["param"] == "parameters.return_generation_logits"
+    else:
+        assert generation.status_code == 200 and generation.json()["details"]["generation_logits"]["shape"][1] == CAP
+    context = ask(PROMPTS[1], return_context_logits=True)  # 50 rows
+    assert context.status_code == 400 and context.json()["error"]["param"] == "parameters.return_context_logits"
+    assert ask(PROMPTS[0], return_context_logits=True).status_code == 200  # 4 rows
