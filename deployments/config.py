@@ -42,6 +42,8 @@ class AppArgs(BaseModel):
     stall_timeout_s: float = Field(5.0, gt=0, description="seconds without a token or a heartbeat after which "
                                    "the ingress takes a streaming replica for stalled and moves its request "
                                    "(deployments/liveness.py); the replica says it is alive 4 times as often")
+    max_beam_width: int = Field(8, ge=1, le=64, description="/infer_token: the widest beam search a request may "
+                                "ask for")
     max_logits_floats: int = Field(1 << 24, gt=0, description="/infer_token: the most floats return_context_logits "
                                    "or return_generation_logits may return per request (4 bytes each); "
                                    "beyond it, a 400 before any work")

@@ -218,7 +218,7 @@ class Ingress:
         info = await self.model_info()
         try:
             limits = mindie.ServedLimits(info.vocab_size, info.max_iter_times + isinstance(self.backend, PDBackend),
-                                         self.args.max_logits_floats)
+                                         self.args.max_logits_floats, self.args.max_beam_width, info.hidden_size)
             request = mindie.to_generation_request(body, f"infer-{uuid.uuid4().hex}",
                                                    http.state.arrival + body.parameters.timeout, limits)
         except ValueError as error:
@@ -230,7 +230,8 @@ class Ingress:
             outputs = [first] + [output async for output in stream]
         finally:
             await stream.aclose()  # on a cancelled request, cancels the engines' call at once
-        return mindie.text_response(outputs, body)
+        pad_id = body.parameters.pad_id if body.parameters.pad_id is not None else info.pad_token_id
+        return mindie.text_response(outputs, body, pad_id)
 
     async def _infer_token_events(self, first: RequestOutput, stream: AsyncIterator[RequestOutput],
                                   body: mindie.InferTokenRequest, trace: RequestTrace) -> AsyncIterator[str]:

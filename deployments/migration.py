@@ -43,11 +43,13 @@ class ChoiceSoFar:
     seed: int | None  # the seed it runs with, once an output has said it
     token_ids: list[int] = field(default_factory=list)
     logprob: float = 0.0  # the cumulative logprob of token_ids
-    started: bool = False
+    started: bool = False  # a token of it reached the client
     finished: bool = False
 
     def record(self, output: RequestOutput) -> None:
-        self.started, self.finished, self.seed = True, output.finished, output.seed
+        # A beam search's reply from P carries no token: the request can still be sent again whole.
+        self.started = self.started or bool(output.new_token_ids) or output.finished
+        self.finished, self.seed = output.finished, output.seed
         self.token_ids += output.new_token_ids
         self.logprob += sum(lp.logprob for lp in output.logprobs)
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from deployments.json_types import Seed, StrictModel, TokenId, sse_event
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput
-from engine.request import GenerationRequest
+from engine.request import GenerationRequest, PromptTable
 from sampling import SamplingParams
 from sampling.params import MAX_TOP_LOGPROBS
 
@@ -30,6 +30,14 @@ TokenSequences = list[Annotated[list[TokenId], Field(min_length=1)]]
 # there, with err_msg set.
 FINISH_REASONS = {EOS: "eos_token", STOP: "stop_sequence", LENGTH: "length", ABORT: "stop_sequence",
                   TIMEOUT: "stop_sequence"}
+
+
+class EncodedArray(StrictModel):
+    """An array in a JSON body: its shape, and its values as base64 of little-endian numbers."""
+
+    shape: list[Annotated[StrictInt, Field(ge=0)]] = Field(min_length=1, max_length=4)
+    dtype: Literal["float32", "float16"]
+    data: str = Field(description="base64 of the values in row-major order, little-endian")
 
 
 class InferParameters(StrictModel):
@@ -61,6 +69,17 @@ class InferParameters(StrictModel):
         False, description="details.context_logits: the prompt's raw logits [input tokens, vocab] (docs/api.md)")
     return_generation_logits: StrictBool = Field(
         False, description="details.generation_logits: each output token's raw logits [1, output tokens, vocab]")
+    beam_width: StrictInt = Field(1, ge=1, description="beam search when > 1 (at most the server's max_beam_width)")
+    length_penalty: StrictFloat = Field(1.0, description="beam search: a beam scores cum_log_prob / length ** this")
+    early_stopping: Literal[0, 1, "never"] = Field(
+        1, description="beam search: 1 stops once beam_width beams ended, 0 when no running beam can win "
+                       "(transformers' heuristic), \"never\" only when none can (docs/serving.md)")
+    prompt_embedding_table: EncodedArray | None = Field(
+        None, description="p-tuning: [prompt_vocab_size, hidden]; input ids vocab_size + i take row i "
+                          "(docs/serving.md)")
+    prompt_vocab_size: StrictInt | None = Field(None, ge=1, description="p-tuning: the table's rows")
+    pad_id: StrictInt | None = Field(None, ge=0, description="beam search: pads details.output_ids of beams that "
+                                     "ended early; default the model's pad id, else its end id")
 
 
 class InferTokenRequest(StrictModel):
@@ -77,6 +96,8 @@ class ServedLimits:
     vocab_size: int
     max_output_tokens: int  # the most tokens a request can get: max_iter_times (+ P's first in PD)
     max_logits_floats: int  # AppArgs.max_logits_floats
+    max_beam_width: int  # AppArgs.max_beam_width
+    hidden_size: int  # a p-tuning table's row length
 
 
 def to_generation_request(body: InferTokenRequest, request_id: str, deadline: float,
@@ -85,9 +106,14 @@ def to_generation_request(body: InferTokenRequest, request_id: str, deadline: fl
     p = body.parameters
     vocab_size = limits.vocab_size
     check_logits_size(p, len(body.input_id), limits)
-    bad = [i for i in body.input_id if i >= vocab_size]
+    check_beam_search(body, limits)
+    table = prompt_table(p, limits.hidden_size)
+    end = vocab_size + (table.size if table else 0)
+    bad = [i for i in body.input_id if i >= end]
     if bad:
-        raise ValueError(f"input_id: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
+        where = f"the model's vocabulary and the prompt table [0, {end})" if table else \
+            f"the model's vocabulary [0, {vocab_size})"
+        raise ValueError(f"input_id: token id {bad[0]} is outside {where}")
     logit_bias = {}
     if p.embedding_bias is not None:
         if len(p.embedding_bias) != vocab_size:
@@ -99,16 +125,81 @@ def to_generation_request(body: InferTokenRequest, request_id: str, deadline: fl
             raise ValueError(f"parameters.{name}: token ids must be inside the vocabulary [0, {vocab_size})")
     if p.end_id is not None and p.end_id >= vocab_size:
         raise ValueError(f"parameters.end_id: must be inside the vocabulary [0, {vocab_size})")
+    beams = p.beam_width > 1
     params = SamplingParams(
         max_new_tokens=p.max_new_tokens,  # the engines apply max_iter_times (D counts its own tokens)
-        min_new_tokens=p.min_length, temperature=p.temperature, do_sample=p.do_sample,
+        min_new_tokens=p.min_length, temperature=p.temperature, do_sample=None if beams else p.do_sample,
         top_k=p.top_k or 0, top_p=p.top_p if p.top_p is not None else 1.0,
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, no_repeat_ngram_size=p.no_repeat_ngram_size,
         bad_words_ids=p.bad_words, stop_token_ids=p.stop_words, logit_bias=logit_bias, seed=p.seed,
-        logprobs=p.top_log_probs if p.return_log_probs else None, ignore_eos=p.ignore_eos, eos_token_id=p.end_id,
-        return_context_logits=p.return_context_logits, return_generation_logits=p.return_generation_logits)
-    return GenerationRequest(request_id, body.input_id, params, priority=p.priority, deadline=deadline)
+        logprobs=p.top_log_probs if p.return_log_probs and not beams else None, ignore_eos=p.ignore_eos,
+        eos_token_id=p.end_id, return_context_logits=p.return_context_logits,
+        return_generation_logits=p.return_generation_logits, beam_width=p.beam_width, length_penalty=p.length_penalty,
+        early_stopping={1: True, 0: False}.get(p.early_stopping, p.early_stopping))
+    return GenerationRequest(request_id, body.input_id, params, priority=p.priority, deadline=deadline,
+                             prompt_table=table)
+
+
+def prompt_table(p: InferParameters, hidden_size: int) -> PromptTable | None:
+    """The request's p-tuning table, checked against its size and this model's hidden size."""
+    if (p.prompt_embedding_table is None) != (p.prompt_vocab_size is None):
+        missing = "prompt_vocab_size" if p.prompt_vocab_size is None else "prompt_embedding_table"
+        raise ValueError(f"parameters.{missing}: prompt_embedding_table and prompt_vocab_size go together")
+    if p.prompt_embedding_table is None:
+        return None
+    embeddings = decode_floats(p.prompt_embedding_table, "parameters.prompt_embedding_table")
+    if embeddings.shape != (p.prompt_vocab_size, hidden_size):
+        raise ValueError(f"parameters.prompt_embedding_table: shape {list(embeddings.shape)}, expected "
+                         f"[prompt_vocab_size, hidden] = [{p.prompt_vocab_size}, {hidden_size}]")
+    return PromptTable.of(embeddings)
+
+
+def decode_floats(encoded: EncodedArray, field: str) -> np.ndarray:
+    """``encode_floats``' inverse (float32 or float16 in), as float32."""
+    try:
+        raw = base64.b64decode(encoded.data, validate=True)
+    except ValueError:
+        raise ValueError(f"{field}.data: not base64") from None
+    dtype = np.dtype("<f4" if encoded.dtype == "float32" else "<f2")
+    expected = int(np.prod(encoded.shape)) * dtype.itemsize
+    if len(raw) != expected:
+        raise ValueError(f"{field}.data: {len(raw)} bytes, shape {encoded.shape} of {encoded.dtype} needs {expected}")
+    values = np.frombuffer(raw, dtype=dtype).reshape(encoded.shape).astype(np.float32)
+    if not np.isfinite(values).all():
+        raise ValueError(f"{field}.data: values must be finite")
+    return values
+
+
+# What beam search cannot honour, set away from its default: these sample or reshape the
+# distribution the beams are scored on (sampling/params.py BEAM_EXCLUSIVE).
+BEAM_CONFLICTS = {"do_sample": lambda p: p.do_sample is True, "temperature": lambda p: p.temperature != 1.0,
+                  "top_k": lambda p: p.top_k is not None, "top_p": lambda p: p.top_p is not None,
+                  "seed": lambda p: p.seed is not None, "repetition_penalty": lambda p: p.repetition_penalty != 1.0,
+                  "presence_penalty": lambda p: p.presence_penalty != 0.0,
+                  "frequency_penalty": lambda p: p.frequency_penalty != 0.0,
+                  "no_repeat_ngram_size": lambda p: p.no_repeat_ngram_size != 0, "min_length": lambda p: p.min_length,
+                  "stop_words": lambda p: p.stop_words, "bad_words": lambda p: p.bad_words,
+                  "embedding_bias": lambda p: p.embedding_bias is not None,
+                  "top_log_probs": lambda p: p.top_log_probs != 0,
+                  "return_generation_logits": lambda p: p.return_generation_logits}
+
+
+def check_beam_search(body: InferTokenRequest, limits: ServedLimits) -> None:
+    p = body.parameters
+    if p.beam_width > limits.max_beam_width:
+        raise ValueError(f"parameters.beam_width: at most {limits.max_beam_width} here (max_beam_width)")
+    if p.beam_width == 1:
+        if p.pad_id is not None:
+            raise ValueError("parameters.pad_id: pads the beams of beam search; set beam_width > 1")
+        return
+    if body.stream:
+        raise ValueError("stream: beam search answers once, with every beam; send it without stream")
+    for name, conflicts in BEAM_CONFLICTS.items():
+        if conflicts(p):
+            raise ValueError(f"parameters.{name}: does not combine with beam search (beam_width > 1)")
+    if p.pad_id is not None and p.pad_id >= limits.vocab_size:
+        raise ValueError(f"parameters.pad_id: must be inside the vocabulary [0, {limits.vocab_size})")
 
 
 def check_logits_size(p: InferParameters, num_input_tokens: int, limits: ServedLimits) -> None:
@@ -124,7 +215,7 @@ def check_logits_size(p: InferParameters, num_input_tokens: int, limits: ServedL
                              "ask for fewer tokens")
 
 
-def details(outputs: list[RequestOutput], p: InferParameters) -> dict:
+def details(outputs: list[RequestOutput], p: InferParameters, pad_id: int | None = None) -> dict:
     """The last event's or the answer's ``details``: the final output's counts, and what was asked
     for over all ``outputs``."""
     final = outputs[-1]
@@ -139,6 +230,19 @@ def details(outputs: list[RequestOutput], p: InferParameters) -> dict:
     if p.return_generation_logits:
         rows = [o.generation_logits for o in outputs if o.generation_logits is not None]
         out["generation_logits"] = encode_floats(np.concatenate(rows)[None] if rows else np.zeros((1, 0, 0)))
+    if final.beams is not None:
+        out.update(beam_details(final.beams, p, pad_id))
+    return out
+
+
+def beam_details(beams: list, p: InferParameters, pad_id: int) -> dict:
+    """TensorRT-LLM's beam outputs, best beam first: output_ids [beam_width][longest] padded with
+    pad_id, sequence_length, cum_log_probs, and output_log_probs (padded with 0.0) when asked for."""
+    longest = max(len(b.token_ids) for b in beams)
+    out = {"output_ids": [b.token_ids + [pad_id] * (longest - len(b.token_ids)) for b in beams],
+           "sequence_length": [len(b.token_ids) for b in beams], "cum_log_probs": [b.cum_logprob for b in beams]}
+    if p.return_log_probs:
+        out["output_log_probs"] = [b.logprobs + [0.0] * (longest - len(b.logprobs)) for b in beams]
     return out
 
 
@@ -149,15 +253,15 @@ def encode_floats(array: np.ndarray) -> dict:
 
 
 def with_details(p: InferParameters) -> bool:
-    """``details`` is in the answer when asked for, and whenever logits are (they live in it)."""
-    return p.details or p.return_context_logits or p.return_generation_logits
+    """``details`` is in the answer when asked for, and whenever logits or beams are (they live in it)."""
+    return p.details or p.return_context_logits or p.return_generation_logits or p.beam_width > 1
 
 
-def text_response(outputs: list[RequestOutput], body: InferTokenRequest) -> dict:
+def text_response(outputs: list[RequestOutput], body: InferTokenRequest, pad_id: int) -> dict:
     final = outputs[-1]
     response = {"generated_text": final.text}
     if with_details(body.parameters):
-        response["details"] = details(outputs, body.parameters)
+        response["details"] = details(outputs, body.parameters, pad_id)
         if body.parameters.return_log_probs:
             response["details"]["tokens"] = [_token(lp.token_id, None, lp) for o in outputs for lp in o.logprobs]
     return response
@@ -172,7 +276,7 @@ def stream_event(sent: list[RequestOutput], body: InferTokenRequest, first: bool
              "token": _token(output.new_token_ids[0], output.new_text, logprob) if output.new_token_ids else None}
     if output.finished:
         event["generated_text"] = output.text
-        event["details"] = details(sent, body.parameters)
+        event["details"] = details(sent, body.parameters)  # a stream has no beams (refused): nothing to pad
     return sse_event(event)
 
 

@@ -37,6 +37,8 @@ class ModelInfo:
     node_id: str
     dtype: str
     enable_prefix_caching: bool
+    pad_token_id: int  # the tokenizer's pad id, else the first end id: beam search's default pad_id
+    hidden_size: int  # a p-tuning table's row length
 
 
 class _EngineServer:
@@ -47,7 +49,7 @@ class _EngineServer:
         inner = self.engine.engine
         return ModelInfo(str(inner.loaded.path), inner.loaded.model_id, inner.vocab_size, inner.max_model_len,
                          inner.config.max_iter_times, ray.get_runtime_context().get_node_id(), inner.dtype,
-                         inner.config.enable_prefix_caching)
+                         inner.config.enable_prefix_caching, inner.pad_token_id, inner.loaded.spec.hidden_size)
 
     def stats(self):
         return self.engine.stats()

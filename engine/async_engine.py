@@ -124,6 +124,8 @@ class AsyncEngine:
         self._commands.put(("add", request, mode, prefill, kv_export_start))
         self._wake.set()
         remaining = {c.index for c in prefill.choices} if prefill is not None else set(range(request.n))
+        if request.params.beam_width > 1:
+            remaining = {0}  # beams end in one output
         done = False
         try:
             while not done:

@@ -25,6 +25,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine.beam_search import BeamGroup
+from engine.beam_steps import BeamSteps
 from engine.block_manager import BlockCounts, BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -50,7 +52,7 @@ class Sampled(NamedTuple):
     logits: np.ndarray | None
 
 
-class LLMEngine:
+class LLMEngine(BeamSteps):
     def __init__(self, config: EngineConfig) -> None:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
@@ -58,6 +60,8 @@ class LLMEngine:
         self.loaded = load_model(config)
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.spec.vocab_size
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None and pad < self.vocab_size else self.loaded.eos_token_ids[0]
         self.dtype = str(self.loaded.dtype).removeprefix("torch.")
         self.blocks = BlockManager(kv_pool_blocks(config, self.loaded), config.block_size,
                                    config.enable_prefix_caching)
@@ -73,6 +77,7 @@ class LLMEngine:
         self._matchers: dict[tuple[str, int], MatcherState] = {}  # per constrained choice, made on first use
         self._arrivals = itertools.count()
         self._kv_wanted: list[str] = []  # requests admitted into RECEIVING since last asked (take_kv_wanted)
+        self._beams: dict[str, BeamGroup] = {}  # requests searching with beams, by id
         logger.info("engine ready: model %s, dtype %s (asked: %s), %d KV blocks of %d tokens, prefix caching %s",
                     self.loaded.path, self.dtype, config.dtype, self.blocks.num_blocks, config.block_size,
                     "on" if config.enable_prefix_caching else "off")
@@ -82,12 +87,21 @@ class LLMEngine:
     def validate(self, request: GenerationRequest, mode: Mode = Mode.GENERATE,
                  prefill: PrefillResult | None = None) -> None:
         """Raise ValueError (message starting with the field's name) if the request can never run."""
-        for name, ids in (("prompt_token_ids", request.prompt_token_ids),
-                          ("parameters", request.params.token_ids_in_use()),
-                          ("resumed_output_ids", request.resumed_output_ids)):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        table = request.prompt_table
+        prompt_ids_end = self.vocab_size + (table.size if table is not None else 0)  # p-tuning ids past the vocabulary
+        for name, ids, end in (("prompt_token_ids", request.prompt_token_ids, prompt_ids_end),
+                               ("parameters", request.params.token_ids_in_use(), self.vocab_size),
+                               ("resumed_output_ids", request.resumed_output_ids, self.vocab_size)):
+            bad = [t for t in ids if not 0 <= t < end]
             if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {end})")
+        if table is not None:
+            hidden = self.loaded.spec.hidden_size
+            if table.embeddings.ndim != 2 or table.embeddings.shape[1] != hidden:
+                raise ValueError(f"prompt_embedding_table: shape {list(table.embeddings.shape)}, this model needs "
+                                 f"[prompt_vocab_size, {hidden}]")
+            if request.params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs: a prompt with p-tuning ids has no token to score at those ids")
         if len(request.resumed_output_ids) >= request.params.max_new_tokens:
             raise ValueError("resumed_output_ids: the request already has max_new_tokens tokens")
         if request.params.grammar is not None:
@@ -100,9 +114,12 @@ class LLMEngine:
             if prefill is None or not prefill.choices:
                 raise ValueError("prefill: decode needs the prefill result with at least one choice")
             check_compatible(prefill.kv.meta, self.runner.kv_meta(n), n)
-            bad = [c.index for c in prefill.choices if not 0 <= c.index < request.n]
+            bound = max(request.n, request.params.beam_width)  # P's running beams come as choices
+            bad = [c.index for c in prefill.choices if not 0 <= c.index < bound]
             if bad:
-                raise ValueError(f"prefill.choices: choice {bad[0]} is outside [0, n={request.n})")
+                raise ValueError(f"prefill.choices: choice {bad[0]} is outside [0, {bound})")
+        if request.params.beam_width > 1 and (request.n != 1 or request.resumed_output_ids):
+            raise ValueError("beam_width: beam search runs one choice (n=1) and is never resumed")
 
     def add_request(self, request: GenerationRequest, mode: Mode = Mode.GENERATE,
                     prefill: PrefillResult | None = None, kv_export_start: int = 0) -> None:
@@ -131,6 +148,8 @@ class LLMEngine:
         else:
             self._add_detokenizer(seq)
         self._seqs[seq.key] = seq
+        if request.params.beam_width > 1:
+            self._beams[request.request_id] = self._beam_group(seq, prefill)
         self.scheduler.add(seq)
 
     def take_kv_wanted(self) -> list[str]:
@@ -226,7 +245,10 @@ class LLMEngine:
         return [out for seq in expired for out in self._finish(seq, TIMEOUT, [], "", [])]
 
     def _sampling_row(self, seq: Sequence, seed: int, bitmask: torch.Tensor | None = None) -> SamplingRow:
-        return SamplingRow(seq.params, seed, seq.prompt_ids, seq.output_ids, self._eos_ids(seq.params), bitmask)
+        prompt = seq.prompt_ids
+        if seq.prompt_table is not None:  # penalties see the prompt's real tokens (transformers: none with embeds)
+            prompt = [t for t in prompt if t < self.vocab_size]
+        return SamplingRow(seq.params, seed, prompt, seq.output_ids, self._eos_ids(seq.params), bitmask)
 
     def _grammar_bitmask(self, seq: Sequence) -> torch.Tensor:
         """[W] int32: the tokens seq's grammar allows next."""
@@ -254,8 +276,17 @@ class LLMEngine:
 
     def _postprocess(self, batch: ScheduledBatch, result: StepResult, repeats: list[int]) -> list[RequestOutput]:
         outputs, row = [], 0
+        stepped: dict[str, BeamGroup] = {}
         for (seq, _), repeat in zip(batch.entries, repeats):
             if not repeat:
+                continue
+            group = self._beams.get(seq.request_id)
+            if group is not None:  # a beam reports its next-token logits; the group decides once all have
+                if seq.pending_choices:  # DECODE: P's other beams start now that the prompt's KV is in
+                    outputs += self._fork_choices(seq, [])
+                group.reported[seq.index] = result.sample_logits[row]
+                stepped[seq.request_id] = group
+                row += repeat
                 continue
             tokens = [Sampled(result.sampled.token_ids[r], self._logprob(result.sampled, r),
                               self._generation_logits(seq, result, r)) for r in range(row, row + repeat)]
@@ -266,6 +297,9 @@ class LLMEngine:
             if seq.pending_choices:
                 outputs += self._fork_choices(seq, tokens[1:])
             outputs += self._append_token(seq, tokens[0])
+        for group in stepped.values():
+            if group.all_reported():
+                outputs += self._advance_beams(group)
         return outputs
 
     @staticmethod
@@ -286,9 +320,13 @@ class LLMEngine:
         first tokens are ``sampled`` (GENERATE) or came from P (DECODE)."""
         choices, seq.pending_choices = seq.pending_choices, []
         outputs = []
+        group = self._beams.get(seq.request_id)
         for choice, token in itertools.zip_longest(choices, sampled):
             child = self.scheduler.fork(seq, choice)
             self._seqs[child.key] = child
+            if group is not None:  # DECODE: one of P's beams
+                group.beams.append(child)
+                group.token_logprobs[child.index] = [choice.first_logprob]
             if token is None:  # DECODE: continues after P's first token
                 self._start_from_first_token(child, choice)
             else:
@@ -373,7 +411,12 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, tokens: list[int], text: str,
                 logprobs: list[TokenLogprob], error: str | None = None,
                 logits: np.ndarray | None = None) -> list[RequestOutput]:
-        """End ``seq`` (and its choices still to fork, which end with it)."""
+        """End ``seq`` (and its choices still to fork, which end with it); a beam ends its whole search."""
+        group = self._beams.get(seq.request_id)
+        if group is not None:
+            return self._end_beams(group, reason, error)
+        if seq.key not in self._seqs:  # a beam whose search ended a moment ago
+            return []
         outputs = [self._end_unforked(seq, choice, reason, error) for choice in seq.pending_choices]
         seq.finish_reason = reason
         detok = self._detokenizers[seq.key]
@@ -400,7 +443,7 @@ class LLMEngine:
         seq.pending_choices = []
         self.scheduler.remove(seq)
         del self._seqs[seq.key]
-        del self._detokenizers[seq.key]
+        self._detokenizers.pop(seq.key, None)  # beams after the first have none: text is made at the end
         self._matchers.pop(seq.key, None)
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob],

@@ -130,11 +130,16 @@ class DecoderModel(nn.Module):
         return self._rope_cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [N]; kv_cache [L, 2, S, Hkv, D]. Returns hidden states [N, H]."""
+                kv_cache: torch.Tensor, embedding_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """input_ids, positions [N]; kv_cache [L, 2, S, Hkv, D]; ``embedding_rows`` (rows [M],
+        embeddings [M, H]) replace those rows' embeddings (p-tuning). Returns hidden states [N, H]."""
         cos_table, sin_table = self.rope_tables()
         cos, sin = cos_table[positions], sin_table[positions]  # [N, D]
         x = self.embed_tokens(input_ids)
+        if embedding_rows is not None:
+            rows, embeddings = embedding_rows
+            x[rows] = embeddings.to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn, kv_cache[i, 0], kv_cache[i, 1])
         return self.norm(x)

@@ -114,9 +114,17 @@ class ModelRunner:
         to_score = []  # (seq, first hidden row, first scored position, count)
         to_keep = []  # (seq, first hidden row, first position, count): context logits
         inputs, flat = self._inputs_np, 0  # [3, N]: ids, positions, slots
+        table_rows, table_embeddings = [], []  # p-tuning: flat rows whose embedding comes from a prompt table
+        vocab = self.loaded.spec.vocab_size
         for (seq, n), samples, repeat in zip(batch.entries, batch.sampling, rows_per_entry):
             start = seq.num_computed_tokens
-            inputs[0, flat:flat + n] = seq.token_ids[start:start + n]
+            chunk = seq.token_ids[start:start + n]
+            if seq.prompt_table is not None and max(chunk) >= vocab:
+                virtual = [(flat + j, t - vocab) for j, t in enumerate(chunk) if t >= vocab]
+                table_rows += [row for row, _ in virtual]
+                table_embeddings.append(torch.from_numpy(seq.prompt_table.embeddings)[[i for _, i in virtual]])
+                chunk = [t if t < vocab else 0 for t in chunk]  # any id: the table's row replaces its embedding
+            inputs[0, flat:flat + n] = chunk
             inputs[1, flat:flat + n] = np.arange(start, start + n)
             slots = self.blocks.slots(seq, 0 if n > 1 else start, start + n)
             inputs[2, flat:flat + n] = slots[-n:]
@@ -137,7 +145,10 @@ class ModelRunner:
         attn = build_attention_batch(slot_mapping, decodes, prefills, self.windows, self.blocks.block_size,
                                      self.device)
         model = self.loaded.model
-        hidden = model(ids, positions, attn, self.kv_cache)  # [N, H]
+        replaced = None
+        if table_rows:
+            replaced = (torch.tensor(table_rows, device=self.device), torch.cat(table_embeddings).to(self.device))
+        hidden = model(ids, positions, attn, self.kv_cache, replaced)  # [N, H]
         scores = [PromptScores(seq, first, self._score(hidden[row:row + count], seq.token_ids[first:first + count],
                                                        seq.params.prompt_logprobs))
                   for seq, row, first, count in to_score]
@@ -148,9 +159,25 @@ class ModelRunner:
         logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [R, V]
         vocab = self.loaded.spec.vocab_size
         kept = None
-        if any(row.params.return_generation_logits for row in rows):  # copied before the sampler works on them
+        # Copied before the sampler works on them: rows that return them, and beams, which are scored on them.
+        if any(row.params.return_generation_logits or row.params.beam_width > 1 for row in rows):
             kept = logits[:, :vocab].to("cpu", torch.float32, copy=True)
-        return StepResult(self.sampler(logits, SamplingBatch.build(rows, vocab, self.device)), scores, context, kept)
+        return StepResult(self._sample(logits, rows), scores, context, kept)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """The sampler over the rows that draw a token; a beam's row draws none (engine/beam_search.py
+        decides from its logits), and its place in the output holds token 0."""
+        drawn = [i for i, row in enumerate(rows) if row.params.beam_width == 1]
+        vocab = self.loaded.spec.vocab_size
+        if len(drawn) == len(rows):
+            return self.sampler(logits, SamplingBatch.build(rows, vocab, self.device))
+        out = SamplerOutput([0] * len(rows), [None] * len(rows), [None] * len(rows))
+        if drawn:
+            sampled = self.sampler(logits[drawn], SamplingBatch.build([rows[i] for i in drawn], vocab, self.device))
+            for j, i in enumerate(drawn):
+                out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = (
+                    sampled.token_ids[j], sampled.logprobs[j], sampled.top_logprobs[j])
+        return out
 
     def _raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, V] float32 on the host: the LM head over ``hidden`` [T, H], SCORE_ROWS rows at a time."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +42,9 @@ class PrefillResult:
     choices: list[ChoiceStart]
     kv: KVPayload
     prefill_time_ms: float  # arrival at P to the first token
+    # Beam search: P made the first step; ``choices`` are the running beams, best first, and this
+    # is the search's state after it (engine/beam_search.py BeamState).
+    beam_state: Any = None
 
     @property
     def seed(self) -> int:
@@ -86,3 +90,6 @@ class RequestOutput:
     # choice's first output the prompt's [prompt tokens, V]; on every output its new tokens' [new, V].
     context_logits: np.ndarray | None = None
     generation_logits: np.ndarray | None = None
+    # Beam search, on the one output of the request: the finished hypotheses, best first
+    # (engine/beam_search.py Hypothesis); new_token_ids and text are the best one's.
+    beams: list | None = None

@@ -4,14 +4,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+import hashlib
 import time
 
+import numpy as np
 import torch
 
 from sampling import SamplingParams
 
 PRIORITY_MIN, PRIORITY_MAX = 1, 5  # 1 is served first
 MAX_CHOICES = 128  # n: choices of one request, sharing its prompt's prefill
+
+
+@dataclass(frozen=True)
+class PromptTable:
+    """TensorRT-LLM's p-tuning prompt table: a prompt id ``vocab_size + i`` takes row i as its
+    embedding instead of the model's. ``digest`` names the table in the KV's content key."""
+
+    embeddings: np.ndarray  # [prompt_vocab_size, hidden] float32
+    digest: bytes
+
+    @classmethod
+    def of(cls, embeddings: np.ndarray) -> "PromptTable":
+        table = np.ascontiguousarray(embeddings, dtype=np.float32)
+        digest = hashlib.blake2b(repr(table.shape).encode() + table.tobytes(), digest_size=16).digest()
+        return cls(table, digest)
+
+    @property
+    def size(self) -> int:
+        return self.embeddings.shape[0]
 
 
 @dataclass
@@ -28,6 +49,7 @@ class GenerationRequest:
     # reported), but are not streamed again.
     resumed_output_ids: list[int] = field(default_factory=list)
     resumed_logprob: float = 0.0
+    prompt_table: PromptTable | None = None  # p-tuning: prompt ids past the vocabulary index it
 
     def __post_init__(self) -> None:
         if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
@@ -101,8 +123,9 @@ class Sequence:
         self.pending_choices: list[PendingChoice] = []  # forked once the prompt is computed
         self.kv_export_start = 0  # PREFILL mode: export the prompt's KV from this token on
         # The KV's content key: everything besides the tokens that changes a block's KV (the
-        # model and dtype today; a LoRA adapter or prompt table id when those exist).
-        self.kv_namespace = kv_namespace
+        # model and dtype, a p-tuning table's digest; a LoRA adapter when that exists).
+        self.prompt_table = request.prompt_table
+        self.kv_namespace = kv_namespace + (request.prompt_table.digest if request.prompt_table else b"")
         self.block_hashes: list[bytes] = []  # chained keys of the full blocks, memoised (tokens never change)
         # Prompt scores, by position (position 0 has none), filled as the prompt's chunks run;
         # None unless asked for. DECODE mode never scores: P did, and sent them to the client.
@@ -143,6 +166,17 @@ class Sequence:
     def order_key(self) -> tuple[int, int, int]:
         """Smaller is served first: priority, then arrival, then choice."""
         return self.priority, self.arrival_index, self.index
+
+    def clone(self, index: int) -> "Sequence":
+        """A beam's copy: the same tokens and progress (its blocks shared by the caller), its own
+        index; the next token it appends is its own."""
+        child = object.__new__(Sequence)
+        child.__dict__.update(self.__dict__)
+        child.index = index
+        child.token_ids = list(self.token_ids)
+        child.block_table = []
+        child.block_hashes = list(self.block_hashes)  # keys of shared full blocks; each extends its own
+        return child
 
     def fork(self, choice: PendingChoice) -> "Sequence":
         """A sibling choice: the same prompt and progress through it, its own seed and output.

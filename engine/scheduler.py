@@ -90,7 +90,13 @@ class Scheduler:
 
     def fork(self, parent: Sequence, choice: PendingChoice) -> Sequence:
         """Start a sibling choice of a running ``parent`` on the parent's computed prompt."""
-        child = parent.fork(choice)
+        return self._run_beside(parent, parent.fork(choice))
+
+    def clone(self, parent: Sequence, index: int) -> Sequence:
+        """Start a beam as a copy of a running ``parent`` (blocks shared, the tail copied on write)."""
+        return self._run_beside(parent, parent.clone(index))
+
+    def _run_beside(self, parent: Sequence, child: Sequence) -> Sequence:
         self.blocks.fork(parent, child)
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
@@ -120,6 +126,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # a beam that has reported its step waits for its siblings (engine/beam_search.py)
+                continue
             if not self._make_room(seq, n, batch):
                 continue
             batch.block_copies += self.blocks.allocate(seq, seq.num_computed_tokens + n)

@@ -15,6 +15,9 @@ from sampling.grammar import Grammar
 
 MAX_SEED = 2**64 - 1
 MAX_TOP_LOGPROBS = 20
+BEAM_EXCLUSIVE = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "no_repeat_ngram_size", "bad_words_ids", "logit_bias", "min_new_tokens",
+                  "stop_token_ids", "stop", "grammar", "seed", "prompt_logprobs", "return_generation_logits")
 
 
 @dataclass
@@ -49,6 +52,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
     skip_special_tokens: bool = True
     grammar: Grammar | None = None  # the output must match it (sampling/grammar.py)
+    # Beam search (engine/beam_search.py): width 1 is off. Beams score the model's own
+    # log-probabilities, so no control that reshapes them combines with it (BEAM_EXCLUSIVE).
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # transformers' values: True, False (a heuristic), "never"
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
@@ -75,9 +83,21 @@ class SamplingParams:
         _check(all(len(w) > 0 for w in self.bad_words_ids), "bad_words_ids", "sequences must be non-empty")
         _check(all(len(s) > 0 for s in self.stop_token_ids), "stop_token_ids", "sequences must be non-empty")
         _check(all(len(s) > 0 for s in self.stop), "stop", "strings must be non-empty")
+        _check(self.beam_width >= 1, "beam_width", "must be >= 1")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or 'never'")
+        if self.beam_width > 1:
+            for name in self.beam_conflicts():
+                raise ValueError(f"{name}: does not combine with beam search (beam_width > 1)")
         # Once the grammar is complete only EOS may follow; a minimum length would forbid it.
         _check(self.grammar is None or self.min_new_tokens == 0, "min_new_tokens",
                "cannot be combined with a grammar (response_format): it could forbid the only token allowed")
+
+    def beam_conflicts(self) -> list[str]:
+        """The fields set away from their defaults that beam search cannot honour: they sample,
+        or reshape the distribution the beams are scored on."""
+        defaults = SamplingParams()
+        conflicts = [name for name in BEAM_EXCLUSIVE if getattr(self, name) != getattr(defaults, name)]
+        return conflicts + (["logprobs"] if self.logprobs else [])  # each beam's token logprobs only, no top-N
 
     @property
     def greedy(self) -> bool:

@@ -75,6 +75,27 @@ def test_a_failure_before_any_output_sends_the_request_again_as_it_was():
     assert retry.params.prompt_logprobs == 1  # nothing was sent: the prompt is scored as asked
 
 
+def test_a_beam_search_that_fails_after_p_replied_is_sent_again_whole():
+    """P's reply to a beam search carries no token (its beams go to D): nothing reached the client."""
+    beam = GenerationRequest("b", [1, 2, 3], SamplingParams(max_new_tokens=4, beam_width=2), deadline=time.time() + 60)
+
+    async def start(r: GenerationRequest):
+        calls.append(r)
+        yield RequestOutput(r.request_id, [], "", 0, False, None, seed=5)  # P's reply
+        if len(calls) == 1:
+            raise ray.exceptions.ActorDiedError()  # D died
+        yield RequestOutput(r.request_id, [9, 9], "xx", 2, True, LENGTH, seed=5)
+
+    calls: list[GenerationRequest] = []
+
+    async def collect():
+        return [o async for o in migrating(start, beam, 3)]
+
+    outputs = asyncio.run(collect())
+    assert outputs[-1].new_token_ids == [9, 9] and [c.request_id for c in calls] == ["b", "b.m1"]
+    assert calls[1].params == beam.params and calls[1].resumed_output_ids == []
+
+
 def test_a_failure_mid_stream_resumes_each_unfinished_choice_after_what_it_sent():
     engines = Engines([3, None, None])  # choice 0 has tokens 1, 2; choice 1 has token 1
     outputs = run(engines, request(n=2))

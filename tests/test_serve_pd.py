@@ -10,7 +10,7 @@ from ray import serve
 from deployments.app import colocated_app, pd_app
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import GenerationRequest
+from engine.request import GenerationRequest, PromptTable
 from sampling import SamplingParams
 from tests.serving import element_size, serve_session, sse_events, wait_until
 
@@ -29,6 +29,12 @@ def base_url():
         serve.run(pd_app(capped), name="pdcap", route_prefix="/pdcap")
         serve.run(colocated_app(capped), name="cocap", route_prefix="/cocap")
         yield url
+
+
+@pytest.fixture(scope="module")
+def reference_engine() -> LLMEngine:
+    """The served model in this process, with the served settings: what each app must answer."""
+    return LLMEngine(EngineConfig(model="tiny-llama"))
 
 
 def infer(url, app, input_id, stream=False, **parameters):
@@ -175,8 +181,8 @@ def decode_floats(encoded: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(encoded["data"]), dtype="<f4").reshape(encoded["shape"])
 
 
-def test_logits_come_from_p_and_d_in_order_and_equal_one_engines(base_url):
-    engine = LLMEngine(EngineConfig(model="tiny-llama"))
+def test_logits_come_from_p_and_d_in_order_and_equal_one_engines(base_url, reference_engine):
+    engine = reference_engine
     params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True, return_context_logits=True,
                             return_generation_logits=True)
     engine.add_request(GenerationRequest("ref", PROMPTS[3], params))
@@ -212,3 +218,91 @@ def test_logits_beyond_the_limit_are_refused_before_any_work(base_url, app):
     context = ask(PROMPTS[1], return_context_logits=True)  # 50 rows
     assert context.status_code == 400 and context.json()["error"]["param"] == "parameters.return_context_logits"
     assert ask(PROMPTS[0], return_context_logits=True).status_code == 200  # 4 rows
+
+
+def beams_with_one_ended_early(engine: LLMEngine, prompt: list[int], width: int, new: int):
+    """An end id the search meets (the best beam's nth token, for the first n that makes a beam end
+    before ``new`` tokens), and the in-process engine's hypotheses with it."""
+    free = SamplingParams(max_new_tokens=new, beam_width=width, ignore_eos=True)
+    best = engine.generate([GenerationRequest("free", prompt, free)])["free"].output_token_ids
+    for nth in range(new - 1):
+        params = SamplingParams(max_new_tokens=new, beam_width=width, early_stopping=True, eos_token_id=best[nth])
+        final = engine.generate([GenerationRequest(f"end{nth}", prompt, params)])[f"end{nth}"]
+        if min(len(h.token_ids) for h in final.beams) < new:
+            return best[nth], final.beams
+    pytest.fail("no end id made a beam end early")
+
+
+def test_beam_search_over_pd_and_colocated_equals_one_engine(base_url, reference_engine):
+    engine = reference_engine
+    end_id, beams = beams_with_one_ended_early(engine, PROMPTS[1], 3, 6)
+    for app in ("pd", "co"):
+        body = {"input_id": PROMPTS[1], "parameters": {
+            "max_new_tokens": 6, "beam_width": 3, "early_stopping": 1, "end_id": end_id, "pad_id": 7,
+            "return_log_probs": True}}
+        response = httpx.post(f"{base_url}/{app}/infer_token", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        details = answer["details"]
+        assert details["sequence_length"] == [len(b.token_ids) for b in beams]
+        longest = max(details["sequence_length"])
+        assert details["output_ids"] == [b.token_ids + [7] * (longest - len(b.token_ids)) for b in beams]
+        assert details["cum_log_probs"] == pytest.approx([b.cum_logprob for b in beams], abs=1e-4)
+        assert [sum(lps) for lps in details["output_log_probs"]] == pytest.approx(details["cum_log_probs"], abs=1e-4)
+        assert answer["generated_text"] == engine.tokenizer.decode(beams[0].token_ids, skip_special_tokens=True)
+        assert details["generated_tokens"] == len(beams[0].token_ids)
+
+
+@pytest.mark.parametrize("parameters, stream, param", [
+    ({"beam_width": 2, "top_k": 5}, False, "parameters.top_k"),
+    ({"beam_width": 2, "do_sample": True}, False, "parameters.do_sample"),
+    ({"beam_width": 2, "seed": 3}, False, "parameters.seed"),
+    ({"beam_width": 2}, True, "stream"),
+    ({"beam_width": 9}, False, "parameters.beam_width"),
+    ({"pad_id": 3}, False, "parameters.pad_id"),
+    ({"beam_width": 2, "pad_id": 100000}, False, "parameters.pad_id"),
+    ({"beam_width": 2, "early_stopping": 2}, False, "parameters.early_stopping"),
+])
+def test_beam_search_refusals_name_the_field(base_url, parameters, stream, param):
+    body = {"input_id": PROMPTS[0], "stream": stream, "parameters": {"max_new_tokens": 3, **parameters}}
+    response = httpx.post(f"{base_url}/pd/infer_token", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def encoded_table(rows: int, hidden: int, dtype: str = "float32") -> tuple[dict, np.ndarray]:
+    values = (np.random.default_rng(3).standard_normal((rows, hidden)) * 0.05).astype(dtype)
+    wire = {"shape": [rows, hidden], "dtype": dtype, "data": base64.b64encode(values.astype("<" + values.dtype.str[1:])
+                                                                              .tobytes()).decode()}
+    return wire, values.astype(np.float32)
+
+
+def test_prompt_table_over_pd_and_colocated_equals_one_engine(base_url, reference_engine):
+    engine = reference_engine
+    vocab, hidden = engine.vocab_size, engine.loaded.spec.hidden_size
+    wire, values = encoded_table(4, hidden, "float16")  # TensorRT-LLM's table type
+    ids = [vocab, vocab + 1, vocab + 2, vocab + 3] + PROMPTS[0]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([GenerationRequest("t", ids, params, prompt_table=PromptTable.of(values))])["t"]
+    plain = engine.generate([GenerationRequest("n", PROMPTS[0], params)])["n"]
+    assert expected.output_token_ids != plain.output_token_ids  # the table changes the answer
+    for app in ("pd", "co"):
+        answer = infer(base_url, app, ids, max_new_tokens=8, do_sample=False, ignore_eos=True,
+                       prompt_embedding_table=wire, prompt_vocab_size=4)
+        assert answer["generated_text"] == expected.text
+
+
+@pytest.mark.parametrize("change, param", [
+    (lambda p, v: p.pop("prompt_vocab_size"), "parameters.prompt_vocab_size"),
+    (lambda p, v: p.update(prompt_vocab_size=3), "parameters.prompt_embedding_table"),
+    (lambda p, v: p["prompt_embedding_table"].update(data="***"), "parameters.prompt_embedding_table.data"),
+    (lambda p, v: p["prompt_embedding_table"].update(shape=[4, 7]), "parameters.prompt_embedding_table.data"),
+    (lambda p, v: p["prompt_embedding_table"].update(dtype="int8"), "parameters.prompt_embedding_table.dtype"),
+    (lambda p, v: v.append(v[0] + 4), "input_id"),  # one past the table
+])
+def test_prompt_table_mistakes_name_the_field(base_url, reference_engine, change, param):
+    wire, _ = encoded_table(4, reference_engine.loaded.spec.hidden_size)
+    ids = [reference_engine.vocab_size, 5, 6]
+    parameters = {"max_new_tokens": 2, "prompt_embedding_table": wire, "prompt_vocab_size": 4}
+    change(parameters, ids)
+    response = httpx.post(f"{base_url}/pd/infer_token", json={"input_id": ids, "parameters": parameters}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

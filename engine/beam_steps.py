@@ -1,0 +1,119 @@
+"""LLMEngine's beam search steps: the sequences follow what engine/beam_search.py decides.
+
+A request with ``beam_width`` > 1 runs as a ``BeamGroup`` of sequences that share blocks. Each
+step every running beam reports its last row's raw logits instead of sampling a token
+(``LLMEngine._postprocess``); once all have, ``_advance_beams`` asks the ``BeamState`` for the
+next beams: a parent chosen once appends its token, one chosen again is cloned first (blocks
+shared, the partial tail copied on write by engine/block_manager.py), one not chosen is released.
+P makes the first step and hands its beams to D as choices (``_hand_over_beams``); the search
+ends in one output with every hypothesis (``_end_beams``). A mixin of LLMEngine: it uses the
+engine's scheduler, runner, tokenizer, ``_seqs``, ``_beams`` and ``_release``.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from engine.beam_search import BeamGroup, BeamState, Candidate, Hypothesis
+from engine.kv_transfer import KVPayload
+from engine.outputs import EOS, LENGTH, ChoiceStart, PrefillResult, RequestOutput, TokenLogprob
+from engine.request import Mode, Sequence
+
+
+class BeamSteps:
+    def _beam_group(self, seq: Sequence, prefill: PrefillResult | None) -> BeamGroup:
+        """A request's beams: its one sequence for now (DECODE: the best of P's beams, the others
+        fork from it once its KV is in), and the search's state (DECODE: P's, after its step)."""
+        p = seq.params
+        if prefill is not None:
+            first = prefill.choices[0].first_logprob
+            return BeamGroup(copy.deepcopy(prefill.beam_state), [seq], {seq.index: [first.logprob]},
+                             next_index=len(prefill.choices))
+        room = self.max_model_len - seq.num_prompt_tokens
+        state = BeamState(p.beam_width, p.length_penalty, p.early_stopping,
+                          min(p.max_new_tokens, self.config.max_iter_times, room),
+                          [] if p.ignore_eos else self._eos_ids(p))
+        return BeamGroup(state, [seq], {seq.index: []})
+
+    def _advance_beams(self, group: BeamGroup) -> list[RequestOutput]:
+        beams = group.beams
+        logprobs = torch.stack([group.reported.pop(b.index) for b in beams]).float().log_softmax(-1)  # [b, V]
+        history = {b.index: group.token_logprobs.pop(b.index) for b in beams}
+        running_on, done = group.state.advance(logprobs, [b.cumulative_logprob for b in beams],
+                                               [b.output_ids for b in beams], [history[b.index] for b in beams])
+        if beams[0].mode is Mode.PREFILL and not done:
+            return self._hand_over_beams(group, running_on)
+        if done:
+            return self._end_beams(group)
+        # A parent chosen twice or more runs on as itself once and as copies (blocks shared) after.
+        taken: set[int] = set()
+        plan: list[tuple[Sequence, Candidate]] = []
+        for c in running_on:
+            parent = beams[c.beam]
+            plan.append((parent if c.beam not in taken else self._clone_beam(group, parent), c))
+            taken.add(c.beam)
+        for child, c in plan:
+            child.token_ids.append(c.token_id)
+            child.cumulative_logprob = c.cum_logprob
+            group.token_logprobs[child.index] = history[beams[c.beam].index] + [c.logprob]
+        for i, beam in enumerate(beams):
+            if i not in taken:
+                self._release(beam)
+        group.beams = [child for child, _ in plan]
+        return []
+
+    def _clone_beam(self, group: BeamGroup, parent: Sequence) -> Sequence:
+        child = self.scheduler.clone(parent, group.take_index())
+        self._seqs[child.key] = child
+        return child
+
+    def _hand_over_beams(self, group: BeamGroup, running_on: list[Candidate]) -> list[RequestOutput]:
+        """PREFILL: P made the search's first step; its running beams go to D as choices, with the
+        search's state and one export of the prompt's KV. P's output carries no token."""
+        (seq,) = group.beams
+        seq.first_token_time = time.time()
+        choices = [ChoiceStart(i, c.token_id, TokenLogprob(c.token_id, c.logprob, []), seq.seed)
+                   for i, c in enumerate(running_on)]
+        start = seq.kv_export_start
+        kv = KVPayload(self.runner.kv_meta(seq.num_tokens, start), self.runner.export_kv(seq, start))
+        result = PrefillResult(seq.request_id, choices, kv, (seq.first_token_time - seq.arrival_time) * 1000.0,
+                               beam_state=group.state)
+        output = RequestOutput(
+            request_id=seq.request_id, new_token_ids=[], new_text="", num_output_tokens=0, finished=False,
+            finish_reason=None, seed=seq.seed, prefill=result, first_token_time=seq.first_token_time,
+            arrival_time=seq.arrival_time, scheduled_time=seq.scheduled_time,
+            context_logits=self._context_logits(seq))
+        del self._beams[seq.request_id]
+        self._release(seq)
+        return [output]
+
+    def _end_beams(self, group: BeamGroup, reason: str | None = None, error: str | None = None
+                   ) -> list[RequestOutput]:
+        """The request's one output: the best hypotheses, best first. Ended early (``reason``:
+        abort, timeout), the running beams count as they stand."""
+        state, beams = group.state, group.beams
+        hypotheses = state.finished
+        if reason is not None:
+            penalty = state.length_penalty
+            running = [Hypothesis(b.output_ids, b.cumulative_logprob / max(1, b.num_output_tokens) ** penalty,
+                                  b.cumulative_logprob, group.token_logprobs.get(b.index, [])) for b in beams]
+            hypotheses = sorted(hypotheses + running, key=lambda h: -h.score)[:state.width]
+        first = beams[0]
+        del self._beams[first.request_id]
+        for beam in beams:
+            self._release(beam)
+        best = hypotheses[0] if hypotheses else Hypothesis([], 0.0, 0.0, [])
+        if reason is None:
+            reason = EOS if best.token_ids and best.token_ids[-1] in state.end_ids else LENGTH
+        text = self.tokenizer.decode(best.token_ids, skip_special_tokens=first.params.skip_special_tokens)
+        return [RequestOutput(
+            request_id=first.request_id, new_token_ids=list(best.token_ids), new_text=text,
+            num_output_tokens=len(best.token_ids), finished=True, finish_reason=reason, seed=first.seed,
+            cumulative_logprob=best.cum_logprob, first_token_time=first.first_token_time,
+            arrival_time=first.arrival_time, scheduled_time=first.scheduled_time, error=error,
+            output_token_ids=list(best.token_ids), text=text, beams=hypotheses,
+            context_logits=self._context_logits(first) if first.mode is not Mode.DECODE else None)]
+
