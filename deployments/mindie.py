@@ -20,7 +20,7 @@ from deployments.json_types import Seed, StrictModel, TokenId, sse_event
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput
 from engine.request import GenerationRequest, PromptTable
 from sampling import SamplingParams
-from sampling.params import MAX_TOP_LOGPROBS
+from sampling.params import MAX_LENGTH_PENALTY, MAX_TOP_LOGPROBS
 
 MAX_TOKEN_ID = 1024 * 1024  # the document's bound; the vocabulary is checked as well
 UINT32_MAX = 2_147_483_647
@@ -70,7 +70,8 @@ class InferParameters(StrictModel):
     return_generation_logits: StrictBool = Field(
         False, description="details.generation_logits: each output token's raw logits [1, output tokens, vocab]")
     beam_width: StrictInt = Field(1, ge=1, description="beam search when > 1 (at most the server's max_beam_width)")
-    length_penalty: StrictFloat = Field(1.0, description="beam search: a beam scores cum_log_prob / length ** this")
+    length_penalty: StrictFloat = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY,
+                                        description="beam search: a beam scores cum_log_prob / length ** this")
     early_stopping: Literal[0, 1, "never"] = Field(
         1, description="beam search: 1 stops once beam_width beams ended, 0 when no running beam can win "
                        "(transformers' heuristic), \"never\" only when none can (docs/serving.md)")
@@ -181,8 +182,7 @@ BEAM_CONFLICTS = {"do_sample": lambda p: p.do_sample is True, "temperature": lam
                   "no_repeat_ngram_size": lambda p: p.no_repeat_ngram_size != 0, "min_length": lambda p: p.min_length,
                   "stop_words": lambda p: p.stop_words, "bad_words": lambda p: p.bad_words,
                   "embedding_bias": lambda p: p.embedding_bias is not None,
-                  "top_log_probs": lambda p: p.top_log_probs != 0,
-                  "return_generation_logits": lambda p: p.return_generation_logits}
+                  "top_log_probs": lambda p: p.top_log_probs != 0}
 
 
 def check_beam_search(body: InferTokenRequest, limits: ServedLimits) -> None:
@@ -205,7 +205,7 @@ def check_beam_search(body: InferTokenRequest, limits: ServedLimits) -> None:
 def check_logits_size(p: InferParameters, num_input_tokens: int, limits: ServedLimits) -> None:
     """Refuse, before any work, logits that would make an answer larger than the app allows."""
     asked = {"return_context_logits": num_input_tokens if p.return_context_logits else 0,
-             "return_generation_logits": min(p.max_new_tokens, limits.max_output_tokens)
+             "return_generation_logits": p.beam_width * min(p.max_new_tokens, limits.max_output_tokens)
              if p.return_generation_logits else 0}
     for name, rows in asked.items():
         floats = rows * limits.vocab_size
@@ -227,7 +227,9 @@ def details(outputs: list[RequestOutput], p: InferParameters, pad_id: int | None
         out["cumulative_logprob"] = final.cumulative_logprob
     if p.return_context_logits and outputs[0].context_logits is not None:
         out["context_logits"] = encode_floats(outputs[0].context_logits)
-    if p.return_generation_logits:
+    if p.return_generation_logits and final.beams is not None:
+        out["generation_logits"] = encode_floats(final.generation_logits)  # [beam_width, longest, V]
+    elif p.return_generation_logits:
         rows = [o.generation_logits for o in outputs if o.generation_logits is not None]
         out["generation_logits"] = encode_floats(np.concatenate(rows)[None] if rows else np.zeros((1, 0, 0)))
     if final.beams is not None:

@@ -39,6 +39,7 @@ class Hypothesis:
     score: float  # cum_logprob / len(token_ids) ** length_penalty
     cum_logprob: float
     logprobs: list[float]  # each token's
+    logits: list | None = None  # each token's raw logits [V] (numpy), when the request asked for them
 
 
 @dataclass
@@ -49,6 +50,16 @@ class Candidate:
     token_id: int
     logprob: float
     cum_logprob: float
+
+
+@dataclass
+class Step:
+    """What one step decided: the beams that run on (best first), the hypotheses that ended in
+    it with the running beam each came from, and whether the search is over."""
+
+    running_on: list[Candidate]
+    ended: list[tuple[Hypothesis, int]]
+    done: bool
 
 
 @dataclass
@@ -64,10 +75,9 @@ class BeamState:
     improvable: bool = True  # transformers' is_early_stop_heuristic_unsatisfied (never comes back)
 
     def advance(self, logprobs: torch.Tensor, running: list[float], outputs: list[list[int]],
-                output_logprobs: list[list[float]]) -> tuple[list[Candidate], bool]:
+                output_logprobs: list[list[float]]) -> Step:
         """One step. ``logprobs`` [b, V] float32 of the b running beams, ``running`` their scores,
-        ``outputs`` their output tokens so far (all of one length) and each token's logprob.
-        Returns the beams to run on (best first) and whether the search is over."""
+        ``outputs`` their output tokens so far (all of one length) and each token's logprob."""
         k, vocab = self.width, logprobs.shape[1]
         length = len(outputs[0]) + 1  # the output length with the new token
         scores = (logprobs + torch.tensor(running, dtype=torch.float32)[:, None]).reshape(-1)  # [b * V]
@@ -77,18 +87,19 @@ class BeamState:
         hits = [c.token_id in self.end_ids or length >= self.max_new_tokens for c in candidates]
         running_on = [c for c, hit in zip(candidates, hits) if not hit][:k]
         full = len(self.finished) == k
+        ended = []
         if self.improvable and not (full and self.early_stopping is True):
-            new = [Hypothesis(outputs[c.beam] + [c.token_id], c.cum_logprob / length ** self.length_penalty,
-                              c.cum_logprob, output_logprobs[c.beam] + [c.logprob])
-                   for c, hit in zip(candidates[:k], hits[:k]) if hit]
-            self.finished = sorted(self.finished + new, key=lambda h: -h.score)[:k]
+            ended = [(Hypothesis(outputs[c.beam] + [c.token_id], c.cum_logprob / length ** self.length_penalty,
+                                 c.cum_logprob, output_logprobs[c.beam] + [c.logprob]), c.beam)
+                     for c, hit in zip(candidates[:k], hits[:k]) if hit]
+            self.finished = sorted(self.finished + [h for h, _ in ended], key=lambda h: -h.score)[:k]
         if running_on and len(self.finished) == k:
             best = self.max_new_tokens if self.early_stopping == "never" and self.length_penalty > 0 else length
             possible = running_on[0].cum_logprob / best ** self.length_penalty
             self.improvable = self.improvable and possible > self.finished[-1].score
         done = (not self.improvable or (len(self.finished) == k and self.early_stopping is True)
                 or all(hits))
-        return running_on, done
+        return Step(running_on, ended, done)
 
 
 @dataclass
@@ -99,6 +110,7 @@ class BeamGroup:
     state: BeamState
     beams: list[Sequence]
     token_logprobs: dict[int, list[float]]  # by beam (sequence index)
+    token_logits: dict[int, list] | None = None  # by beam: each token's raw logits [V], when asked for
     reported: dict[int, torch.Tensor] = field(default_factory=dict)  # by beam: raw logits [V] this step
     next_index: int = 1  # sequence indices are unique over the request's life
 

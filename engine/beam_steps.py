@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import time
 
+import numpy as np
 import torch
 
 from engine.beam_search import BeamGroup, BeamState, Candidate, Hypothesis
@@ -28,25 +29,37 @@ class BeamSteps:
         """A request's beams: its one sequence for now (DECODE: the best of P's beams, the others
         fork from it once its KV is in), and the search's state (DECODE: P's, after its step)."""
         p = seq.params
+        logits = {} if p.return_generation_logits else None
         if prefill is not None:
             first = prefill.choices[0].first_logprob
-            return BeamGroup(copy.deepcopy(prefill.beam_state), [seq], {seq.index: [first.logprob]},
-                             next_index=len(prefill.choices))
-        room = self.max_model_len - seq.num_prompt_tokens
-        state = BeamState(p.beam_width, p.length_penalty, p.early_stopping,
-                          min(p.max_new_tokens, self.config.max_iter_times, room),
-                          [] if p.ignore_eos else self._eos_ids(p))
-        return BeamGroup(state, [seq], {seq.index: []})
+            group = BeamGroup(copy.deepcopy(prefill.beam_state), [seq], {seq.index: [first.logprob]}, logits,
+                              next_index=len(prefill.choices))
+        else:
+            room = self.max_model_len - seq.num_prompt_tokens
+            state = BeamState(p.beam_width, p.length_penalty, p.early_stopping,
+                              min(p.max_new_tokens, self.config.max_iter_times, room),
+                              [] if p.ignore_eos else self._eos_ids(p))
+            group = BeamGroup(state, [seq], {seq.index: []}, logits)
+        if logits is not None:
+            logits[seq.index] = [prefill.beam_logits] if prefill is not None else []
+        return group
 
     def _advance_beams(self, group: BeamGroup) -> list[RequestOutput]:
         beams = group.beams
-        logprobs = torch.stack([group.reported.pop(b.index) for b in beams]).float().log_softmax(-1)  # [b, V]
+        rows = [group.reported.pop(b.index) for b in beams]  # raw logits [V] each
+        logprobs = torch.stack(rows).float().log_softmax(-1)  # [b, V]
         history = {b.index: group.token_logprobs.pop(b.index) for b in beams}
-        running_on, done = group.state.advance(logprobs, [b.cumulative_logprob for b in beams],
-                                               [b.output_ids for b in beams], [history[b.index] for b in beams])
-        if beams[0].mode is Mode.PREFILL and not done:
-            return self._hand_over_beams(group, running_on)
-        if done:
+        step = group.state.advance(logprobs, [b.cumulative_logprob for b in beams], [b.output_ids for b in beams],
+                                   [history[b.index] for b in beams])
+        running_on = step.running_on
+        logits = None
+        if group.token_logits is not None:  # each beam's rows so far, then the one of its new token
+            logits = [group.token_logits.pop(b.index) + [row.numpy().copy()] for b, row in zip(beams, rows)]
+            for hypothesis, beam in step.ended:
+                hypothesis.logits = logits[beam]
+        if beams[0].mode is Mode.PREFILL and not step.done:
+            return self._hand_over_beams(group, running_on, logits[0][-1] if logits is not None else None)
+        if step.done:
             return self._end_beams(group)
         # A parent chosen twice or more runs on as itself once and as copies (blocks shared) after.
         taken: set[int] = set()
@@ -59,6 +72,8 @@ class BeamSteps:
             child.token_ids.append(c.token_id)
             child.cumulative_logprob = c.cum_logprob
             group.token_logprobs[child.index] = history[beams[c.beam].index] + [c.logprob]
+            if logits is not None:
+                group.token_logits[child.index] = list(logits[c.beam])
         for i, beam in enumerate(beams):
             if i not in taken:
                 self._release(beam)
@@ -70,7 +85,8 @@ class BeamSteps:
         self._seqs[child.key] = child
         return child
 
-    def _hand_over_beams(self, group: BeamGroup, running_on: list[Candidate]) -> list[RequestOutput]:
+    def _hand_over_beams(self, group: BeamGroup, running_on: list[Candidate], first_logits: np.ndarray | None
+                         ) -> list[RequestOutput]:
         """PREFILL: P made the search's first step; its running beams go to D as choices, with the
         search's state and one export of the prompt's KV. P's output carries no token."""
         (seq,) = group.beams
@@ -80,7 +96,7 @@ class BeamSteps:
         start = seq.kv_export_start
         kv = KVPayload(self.runner.kv_meta(seq.num_tokens, start), self.runner.export_kv(seq, start))
         result = PrefillResult(seq.request_id, choices, kv, (seq.first_token_time - seq.arrival_time) * 1000.0,
-                               beam_state=group.state)
+                               beam_state=group.state, beam_logits=first_logits)
         output = RequestOutput(
             request_id=seq.request_id, new_token_ids=[], new_text="", num_output_tokens=0, finished=False,
             finish_reason=None, seed=seq.seed, prefill=result, first_token_time=seq.first_token_time,
@@ -99,7 +115,9 @@ class BeamSteps:
         if reason is not None:
             penalty = state.length_penalty
             running = [Hypothesis(b.output_ids, b.cumulative_logprob / max(1, b.num_output_tokens) ** penalty,
-                                  b.cumulative_logprob, group.token_logprobs.get(b.index, [])) for b in beams]
+                                  b.cumulative_logprob, group.token_logprobs.get(b.index, []),
+                                  group.token_logits.get(b.index) if group.token_logits is not None else None)
+                       for b in beams]
             hypotheses = sorted(hypotheses + running, key=lambda h: -h.score)[:state.width]
         first = beams[0]
         del self._beams[first.request_id]
@@ -115,5 +133,17 @@ class BeamSteps:
             cumulative_logprob=best.cum_logprob, first_token_time=first.first_token_time,
             arrival_time=first.arrival_time, scheduled_time=first.scheduled_time, error=error,
             output_token_ids=list(best.token_ids), text=text, beams=hypotheses,
-            context_logits=self._context_logits(first) if first.mode is not Mode.DECODE else None)]
+            context_logits=self._context_logits(first) if first.mode is not Mode.DECODE else None,
+            generation_logits=_padded_logits(hypotheses) if group.token_logits is not None else None)]
+
+
+def _padded_logits(hypotheses: list[Hypothesis]) -> np.ndarray:
+    """[beams, longest, V] float32: each hypothesis's rows, zeros after its end."""
+    rows = [h.logits or [] for h in hypotheses]
+    vocab = next((len(r[0]) for r in rows if r), 0)
+    out = np.zeros((len(rows), max(map(len, rows), default=0), vocab), dtype=np.float32)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, :len(r)] = np.stack(r)
+    return out
 

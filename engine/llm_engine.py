@@ -307,7 +307,7 @@ class LLMEngine(BeamSteps):
         """[1, V] float32: row's raw logits, when seq's request asked for them."""
         if not seq.params.return_generation_logits:
             return None
-        return result.sample_logits[row:row + 1].numpy()
+        return result.sample_logits[row:row + 1].numpy().copy()  # not a view that keeps the step's [R, V] alive
 
     @staticmethod
     def _logprob(sampled: SamplerOutput, row: int) -> TokenLogprob | None:
@@ -327,6 +327,8 @@ class LLMEngine(BeamSteps):
             if group is not None:  # DECODE: one of P's beams
                 group.beams.append(child)
                 group.token_logprobs[child.index] = [choice.first_logprob]
+                if group.token_logits is not None:
+                    group.token_logits[child.index] = list(group.token_logits[seq.index])
             if token is None:  # DECODE: continues after P's first token
                 self._start_from_first_token(child, choice)
             else:

@@ -45,6 +45,7 @@ class PrefillResult:
     # Beam search: P made the first step; ``choices`` are the running beams, best first, and this
     # is the search's state after it (engine/beam_search.py BeamState).
     beam_state: Any = None
+    beam_logits: np.ndarray | None = None  # [V]: the first step's raw logits, when generation logits are asked for
 
     @property
     def seed(self) -> int:
@@ -91,5 +92,6 @@ class RequestOutput:
     context_logits: np.ndarray | None = None
     generation_logits: np.ndarray | None = None
     # Beam search, on the one output of the request: the finished hypotheses, best first
-    # (engine/beam_search.py Hypothesis); new_token_ids and text are the best one's.
+    # (engine/beam_search.py Hypothesis); new_token_ids and text are the best one's, and
+    # generation_logits, when asked for, is [beams, longest, V], shorter beams padded with zeros.
     beams: list | None = None

@@ -15,9 +15,10 @@ from sampling.grammar import Grammar
 
 MAX_SEED = 2**64 - 1
 MAX_TOP_LOGPROBS = 20
+MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: length ** penalty must stay a float for any output length
 BEAM_EXCLUSIVE = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "no_repeat_ngram_size", "bad_words_ids", "logit_bias", "min_new_tokens",
-                  "stop_token_ids", "stop", "grammar", "seed", "prompt_logprobs", "return_generation_logits")
+                  "stop_token_ids", "stop", "grammar", "seed", "prompt_logprobs")
 
 
 @dataclass
@@ -84,6 +85,8 @@ class SamplingParams:
         _check(all(len(s) > 0 for s in self.stop_token_ids), "stop_token_ids", "sequences must be non-empty")
         _check(all(len(s) > 0 for s in self.stop), "stop", "strings must be non-empty")
         _check(self.beam_width >= 1, "beam_width", "must be >= 1")
+        _check(abs(self.length_penalty) <= MAX_LENGTH_PENALTY, "length_penalty",
+               f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
         _check(self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or 'never'")
         if self.beam_width > 1:
             for name in self.beam_conflicts():

@@ -2,7 +2,8 @@
 no JSON Schema can state, relations between values: a completion's ``best_of`` must be at least
 its ``n``; tool names are unique, a named ``tool_choice`` names one of them, a tool message
 answers an earlier call; a function's ``parameters`` and a ``structured_outputs.regex`` compile in
-the grammar engine.
+the grammar engine; on /infer_token, beam search's exclusions and limits, a p-tuning table that
+fills its shape and matches the model, logits within the server's size limit.
 Their 400s are dropped from the failures; every other failure stands."""
 
 import json
@@ -25,4 +26,17 @@ def filter_failure(context, failure, case, response) -> bool:
                 or param == "tool_choice.function.name" and "no tool is named" in message
                 or re.fullmatch(r"messages\.\d+\.tool_call_id", param) and "answers no earlier" in message
                 or (re.fullmatch(r"tools\.\d+\.function\.parameters", param) or param == "structured_outputs.regex")
-                and "grammar engine" in message)
+                and "grammar engine" in message
+                or _infer_token_relation(param, message))
+
+
+def _infer_token_relation(param: str, message: str) -> bool:
+    """/infer_token's relations between parameters (deployments/mindie.py) that a schema cannot state."""
+    beams = ("does not combine with beam search" in message or param == "stream" and "beam search" in message
+             or param == "parameters.beam_width" and "max_beam_width" in message
+             or param == "parameters.pad_id" and ("beam_width > 1" in message or "vocabulary" in message))
+    table = param.startswith(("parameters.prompt_embedding_table", "parameters.prompt_vocab_size")) or \
+        param == "input_id" and "prompt table" in message
+    logits = param in ("parameters.return_context_logits", "parameters.return_generation_logits") and \
+        "max_logits_floats" in message
+    return beams or table or logits

@@ -3,6 +3,7 @@ fp32 model: the same sequences in the same order with the same scores, with and 
 id reached, for several widths, length penalties and early_stopping values; colocated and split
 over a prefill and a decode engine; blocks shared between beams and all given back."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,7 +113,7 @@ def test_an_aborted_search_ends_once_and_frees_every_beam(model_dirs):
 
 def test_controls_that_reshape_the_distribution_are_refused_with_beams():
     for field, value in (("top_k", 5), ("temperature", 0.7), ("repetition_penalty", 1.2), ("seed", 3),
-                         ("return_generation_logits", True), ("logprobs", 2)):
+                         ("logprobs", 2)):
         with pytest.raises(ValueError, match=f"^{field}: does not combine with beam search"):
             SamplingParams(beam_width=2, **{field: value})
     with pytest.raises(ValueError, match="^early_stopping"):
@@ -123,3 +124,28 @@ def test_a_prefill_engine_refuses_choices_beyond_the_beams(model_dirs):
     eng = engine(model_dirs["llama"], dtype="float32")
     with pytest.raises(ValueError, match="^beam_width"):
         eng.validate(GenerationRequest("n", [1, 2, 3], beam_params(2, 1.0, False, 4, None), n=2), Mode.GENERATE)
+
+
+def test_generation_logits_of_each_beam_follow_its_tokens(model_dirs):
+    """Each beam's rows are the raw logits at each of its positions: equal to transformers' logits
+    of the beam's own tokens; colocated and across P and D alike; shorter beams padded with zeros."""
+    model_dir = model_dirs["llama"]
+    hf = load_hf(model_dir, torch.float32)
+    prompt = prompts()[3]
+    eos = end_id(hf, prompt, 4, 1)
+    params = SamplingParams(max_new_tokens=6, beam_width=4, early_stopping=True, eos_token_id=eos,
+                            return_generation_logits=True)
+    final = engine(model_dir, dtype="float32").generate([GenerationRequest("g", prompt, params)])["g"]
+    longest = max(len(h.token_ids) for h in final.beams)
+    assert final.generation_logits.shape == (4, longest, hf.config.vocab_size)
+    for i, hypothesis in enumerate(final.beams):
+        n = len(hypothesis.token_ids)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + hypothesis.token_ids])).logits[0, len(prompt) - 1:-1].numpy()
+        np.testing.assert_allclose(final.generation_logits[i, :n], logits, atol=1e-4, rtol=0)
+        assert not final.generation_logits[i, n:].any()
+    prefill_engine, decode_engine = engine(model_dir, dtype="float32"), engine(model_dir, dtype="float32")
+    request = GenerationRequest("pd", prompt, params)
+    first = prefill_engine.prefill([request])["pd"]
+    split = decode_engine.decode([(request, first.prefill)])["pd"]
+    np.testing.assert_allclose(split.generation_logits, final.generation_logits, atol=1e-5, rtol=0)

@@ -239,7 +239,7 @@ def test_beam_search_over_pd_and_colocated_equals_one_engine(base_url, reference
     for app in ("pd", "co"):
         body = {"input_id": PROMPTS[1], "parameters": {
             "max_new_tokens": 6, "beam_width": 3, "early_stopping": 1, "end_id": end_id, "pad_id": 7,
-            "return_log_probs": True}}
+            "return_log_probs": True, "return_generation_logits": True}}
         response = httpx.post(f"{base_url}/{app}/infer_token", json=body, timeout=120)
         assert response.status_code == 200, response.text
         answer = response.json()
@@ -251,6 +251,13 @@ def test_beam_search_over_pd_and_colocated_equals_one_engine(base_url, reference
         assert [sum(lps) for lps in details["output_log_probs"]] == pytest.approx(details["cum_log_probs"], abs=1e-4)
         assert answer["generated_text"] == engine.tokenizer.decode(beams[0].token_ids, skip_special_tokens=True)
         assert details["generated_tokens"] == len(beams[0].token_ids)
+        logits = decode_floats(details["generation_logits"])  # [beam_width, longest, vocab], zeros past an end
+        assert logits.shape == (3, longest, engine.vocab_size)
+        assert all(not logits[i, n:].any() and logits[i, :n].any() for i, n in enumerate(details["sequence_length"]))
+    # Every beam's blocks are given back on P, D and the colocated engine.
+    for app, deployment in (("pd", "PrefillServer"), ("pd", "DecodeServer"), ("co", "LLMServer")):
+        handle = serve.get_deployment_handle(deployment, app_name=app)
+        assert wait_until(lambda: handle.stats.remote().result().blocks_used == 0, 60), (app, deployment)
 
 
 @pytest.mark.parametrize("parameters, stream, param", [
