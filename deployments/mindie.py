@@ -66,9 +66,10 @@ class InferParameters(StrictModel):
     top_log_probs: StrictInt = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token")
     ignore_eos: StrictBool = False
     return_context_logits: StrictBool = Field(
-        False, description="details.context_logits: the prompt's raw logits [input tokens, vocab] (docs/api.md)")
+        False, description="details.context_logits: the prompt's raw logits [input tokens, vocab] (docs/serving.md)")
     return_generation_logits: StrictBool = Field(
-        False, description="details.generation_logits: each output token's raw logits [1, output tokens, vocab]")
+        False, description="details.generation_logits: each output token's raw logits [beam_width, output tokens, "
+                           "vocab]")
     beam_width: StrictInt = Field(1, ge=1, description="beam search when > 1 (at most the server's max_beam_width)")
     length_penalty: StrictFloat = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY,
                                         description="beam search: a beam scores cum_log_prob / length ** this")
@@ -249,7 +250,7 @@ def beam_details(beams: list, p: InferParameters, pad_id: int) -> dict:
 
 
 def encode_floats(array: np.ndarray) -> dict:
-    """An array on the wire: its shape, and its values as base64 of little-endian float32 (docs/api.md)."""
+    """An array on the wire: its shape, and its values as base64 of little-endian float32 (docs/serving.md)."""
     return {"shape": list(array.shape), "dtype": "float32",
             "data": base64.b64encode(np.ascontiguousarray(array, dtype="<f4").tobytes()).decode()}
 

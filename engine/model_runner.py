@@ -50,7 +50,7 @@ class StepResult:
     prompt_scores: list[PromptScores] = field(default_factory=list)
     context_logits: list[ContextRows] = field(default_factory=list)
     # [R, V] float32 on the host: the sampled rows' raw logits, before any processor; None unless
-    # a row's request asked for its generation logits.
+    # a row's request asked for its generation logits or searches with beams.
     sample_logits: torch.Tensor | None = None
 
 
@@ -157,7 +157,6 @@ class ModelRunner:
         if not sample_rows:
             return StepResult(None, scores, context)
         logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [R, V]
-        vocab = self.loaded.spec.vocab_size
         kept = None
         # Copied before the sampler works on them: rows that return them, and beams, which are scored on them.
         if any(row.params.return_generation_logits or row.params.beam_width > 1 for row in rows):
