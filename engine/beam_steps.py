@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from engine.beam_search import BeamGroup, BeamState, Candidate, Hypothesis
-from engine.kv_transfer import KVPayload
 from engine.outputs import EOS, LENGTH, ChoiceStart, PrefillResult, RequestOutput, TokenLogprob
 from engine.request import Mode, Sequence
 
@@ -93,10 +92,7 @@ class BeamSteps:
         seq.first_token_time = time.time()
         choices = [ChoiceStart(i, c.token_id, TokenLogprob(c.token_id, c.logprob, []), seq.seed)
                    for i, c in enumerate(running_on)]
-        start = seq.kv_export_start
-        kv = KVPayload(self.runner.kv_meta(seq.num_tokens, start), self.runner.export_kv(seq, start))
-        result = PrefillResult(seq.request_id, choices, kv, (seq.first_token_time - seq.arrival_time) * 1000.0,
-                               beam_state=group.state, beam_logits=first_logits)
+        result = self._prefill_result(seq, choices, beam_state=group.state, beam_logits=first_logits)
         output = RequestOutput(
             request_id=seq.request_id, new_token_ids=[], new_text="", num_output_tokens=0, finished=False,
             finish_reason=None, seed=seq.seed, prefill=result, first_token_time=seq.first_token_time,

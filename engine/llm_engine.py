@@ -401,14 +401,18 @@ class LLMEngine(BeamSteps):
                 going.append((output, ChoiceStart(choice.index, token, logprob, choice.seed)))
             outputs.append(output)
         if going:
-            start = seq.kv_export_start
-            kv = KVPayload(self.runner.kv_meta(seq.num_tokens, start), self.runner.export_kv(seq, start))
-            result = PrefillResult(seq.request_id, [c for _, c in going], kv,
-                                   (seq.first_token_time - seq.arrival_time) * 1000.0)
+            result = self._prefill_result(seq, [c for _, c in going])
             for output, _ in going:
                 output.prefill = result
         self._release(seq)
         return outputs
+
+    def _prefill_result(self, seq: Sequence, choices: list[ChoiceStart], **beams) -> PrefillResult:
+        """PREFILL: what D needs to go on from ``seq``'s prompt: ``choices`` and one export of its KV
+        (from ``kv_export_start``); ``beams``: beam search's state and first logits."""
+        start = seq.kv_export_start
+        kv = KVPayload(self.runner.kv_meta(seq.num_tokens, start), self.runner.export_kv(seq, start))
+        return PrefillResult(seq.request_id, choices, kv, (seq.first_token_time - seq.arrival_time) * 1000.0, **beams)
 
     def _finish(self, seq: Sequence, reason: str, tokens: list[int], text: str,
                 logprobs: list[TokenLogprob], error: str | None = None,

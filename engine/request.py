@@ -181,11 +181,9 @@ class Sequence:
     def fork(self, choice: PendingChoice) -> "Sequence":
         """A sibling choice: the same prompt and progress through it, its own seed and output.
         The caller shares the blocks (BlockManager.fork) and appends the child's first token."""
-        child = object.__new__(Sequence)
-        child.__dict__.update(self.__dict__)
-        child.index, child.seed = choice.index, choice.seed
+        child = self.clone(choice.index)
+        child.seed = choice.seed
         child.token_ids = self.token_ids[: self.num_prompt_tokens]
-        child.block_table = []
         child.num_computed_tokens = min(self.num_computed_tokens, self.num_prompt_tokens)
         child.cumulative_logprob = 0.0
         child.pending_kv = None
