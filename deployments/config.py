@@ -47,6 +47,13 @@ class AppArgs(BaseModel):
     max_logits_floats: int = Field(1 << 24, gt=0, description="/infer_token: the most floats return_context_logits "
                                    "or return_generation_logits may return per request (4 bytes each); "
                                    "beyond it, a 400 before any work")
+    max_draft_tokens: int = Field(8, ge=0, description="/infer_token: the most draft_input_ids a request may send, "
+                                  "all verified in one step; 0 refuses drafts")
+    prompt_lookup: bool = Field(False, description="speculative decoding by prompt lookup for requests that do not "
+                                "say (docs/serving.md); the output is the same either way")
+    num_speculative_tokens: int = Field(4, gt=0, description="prompt lookup: drafts per step")
+    prompt_lookup_min: int = Field(2, gt=0, description="prompt lookup: the shortest n-gram matched")
+    prompt_lookup_max: int = Field(4, gt=0, description="prompt lookup: the longest n-gram, tried first")
     max_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get a 413")
     embeddings: bool = Field(True, description="serve /v1/embeddings (all-MiniLM-L6-v2) in its own deployment")
     traces_exporter: Literal["none", "console"] = Field(
@@ -56,6 +63,8 @@ class AppArgs(BaseModel):
     def _check(self) -> "AppArgs":
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError("prompt_lookup_max: must be >= prompt_lookup_min")
         return self
 
     @property
@@ -68,4 +77,6 @@ class AppArgs(BaseModel):
             num_blocks=self.num_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             max_iter_times=self.max_iter_times, torch_threads=self.torch_threads,
-            enable_prefix_caching=self.enable_prefix_caching)
+            enable_prefix_caching=self.enable_prefix_caching, max_draft_tokens=self.max_draft_tokens,
+            prompt_lookup=self.prompt_lookup, num_speculative_tokens=self.num_speculative_tokens,
+            prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)

@@ -218,7 +218,8 @@ class Ingress:
         info = await self.model_info()
         try:
             limits = mindie.ServedLimits(info.vocab_size, info.max_iter_times + isinstance(self.backend, PDBackend),
-                                         self.args.max_logits_floats, self.args.max_beam_width, info.hidden_size)
+                                         self.args.max_logits_floats, self.args.max_beam_width, info.hidden_size,
+                                         self.args.max_draft_tokens)
             request = mindie.to_generation_request(body, f"infer-{uuid.uuid4().hex}",
                                                    http.state.arrival + body.parameters.timeout, limits)
         except ValueError as error:

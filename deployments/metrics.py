@@ -5,9 +5,10 @@ of deployments/tracing.py (queue by stage, prefill, decode, KV transfer seconds 
 time to first token, time per output token, end to end); and, read from the engine
 deployments at scrape time, queue depth
 by priority, KV blocks used / cached / free and the usage fraction, prefix-cache queries and
-hits (tokens, as vLLM counts them), requests ended by finish reason, and KV bytes moved
-from P to D. Deployment figures come from the replica a handle call reaches (one per
-deployment per scrape).
+hits (tokens, as vLLM counts them), speculative decoding's drafts and accepted tokens (as
+vLLM names them), requests ended by finish reason, and KV bytes moved from P to D.
+Deployment figures come from the replica a handle call reaches (one per deployment per
+scrape).
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ class IngressMetrics:
                                  ["deployment"], registry=r)
         self.prompt_computed = Gauge("pdserve_prompt_tokens_computed", "prompt tokens run through the model "
                                      "(not prefix hits, not imported KV)", ["deployment"], registry=r)
+        self.spec_drafts = Gauge("pdserve_spec_decode_num_drafts", "steps of a sequence that verified draft tokens",
+                                 ["deployment"], registry=r)
+        self.spec_draft_tokens = Gauge("pdserve_spec_decode_num_draft_tokens", "draft tokens verified",
+                                       ["deployment"], registry=r)
+        self.spec_accepted = Gauge("pdserve_spec_decode_num_accepted_tokens", "draft tokens that stood",
+                                   ["deployment"], registry=r)
         self.migrations = Counter("pdserve_request_migrations", "times a request moved to another replica after "
                                   "the one serving it failed", registry=r)
         self.kv_bytes = Gauge("pdserve_kv_bytes_moved", "KV bytes moved from P to D", registry=r)
@@ -98,6 +105,9 @@ class IngressMetrics:
             self.prefix_queries.labels(name).set(s.prefix_cache_queries)
             self.prefix_hits.labels(name).set(s.prefix_cache_hits)
             self.prompt_computed.labels(name).set(s.prompt_tokens_computed)
+            self.spec_drafts.labels(name).set(s.spec_decode_num_drafts)
+            self.spec_draft_tokens.labels(name).set(s.spec_decode_num_draft_tokens)
+            self.spec_accepted.labels(name).set(s.spec_decode_num_accepted_tokens)
             for reason, count in s.finished_by_reason.items():
                 self.finished.labels(name, reason).set(count)
         if "DecodeServer" in handles:

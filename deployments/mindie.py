@@ -18,7 +18,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from deployments.json_types import Seed, StrictModel, TokenId, sse_event
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput
-from engine.request import GenerationRequest, PromptTable
+from engine.request import DraftTokens, GenerationRequest, PromptTable
 from sampling import SamplingParams
 from sampling.params import MAX_LENGTH_PENALTY, MAX_TOP_LOGPROBS
 
@@ -80,6 +80,14 @@ class InferParameters(StrictModel):
         None, description="p-tuning: [prompt_vocab_size, hidden]; input ids vocab_size + i take row i "
                           "(docs/serving.md)")
     prompt_vocab_size: StrictInt | None = Field(None, ge=1, description="p-tuning: the table's rows")
+    draft_input_ids: list[TokenId] | None = Field(
+        None, description="speculative decoding: a guess of the output from its first token, verified in one "
+                          "step (at most the server's max_draft_tokens); the output is the same as without it")
+    draft_logits: EncodedArray | None = Field(
+        None, description="the draft model's logits [len(draft_input_ids), vocab]: drafts are verified by the "
+                          "speculative-sampling rule (docs/serving.md)")
+    prompt_lookup: StrictBool | None = Field(
+        None, description="speculative decoding by prompt lookup (docs/serving.md); absent: the server's setting")
     pad_id: StrictInt | None = Field(None, ge=0, description="beam search: pads details.output_ids of beams that "
                                      "ended early; default the model's pad id, else its end id")
 
@@ -100,6 +108,7 @@ class ServedLimits:
     max_logits_floats: int  # AppArgs.max_logits_floats
     max_beam_width: int  # AppArgs.max_beam_width
     hidden_size: int  # a p-tuning table's row length
+    max_draft_tokens: int  # AppArgs.max_draft_tokens
 
 
 def to_generation_request(body: InferTokenRequest, request_id: str, deadline: float,
@@ -140,7 +149,29 @@ def to_generation_request(body: InferTokenRequest, request_id: str, deadline: fl
         return_generation_logits=p.return_generation_logits, beam_width=p.beam_width, length_penalty=p.length_penalty,
         early_stopping={1: True, 0: False}.get(p.early_stopping, p.early_stopping))
     return GenerationRequest(request_id, body.input_id, params, priority=p.priority, deadline=deadline,
-                             prompt_table=table)
+                             prompt_table=table, draft=draft_tokens(p, limits), prompt_lookup=p.prompt_lookup)
+
+
+def draft_tokens(p: InferParameters, limits: ServedLimits) -> DraftTokens | None:
+    """The request's drafts, checked against the vocabulary and max_draft_tokens."""
+    if p.draft_logits is not None and not p.draft_input_ids:
+        raise ValueError("parameters.draft_logits: goes with draft_input_ids")
+    if not p.draft_input_ids:
+        return None
+    ids = p.draft_input_ids
+    if len(ids) > limits.max_draft_tokens:
+        raise ValueError(f"parameters.draft_input_ids: {len(ids)} tokens, at most {limits.max_draft_tokens} here "
+                         "(max_draft_tokens)")
+    if any(t >= limits.vocab_size for t in ids):
+        raise ValueError("parameters.draft_input_ids: token ids must be inside the vocabulary "
+                         f"[0, {limits.vocab_size})")
+    logits = None
+    if p.draft_logits is not None:
+        logits = decode_floats(p.draft_logits, "parameters.draft_logits")
+        if logits.shape != (len(ids), limits.vocab_size):
+            raise ValueError(f"parameters.draft_logits: shape {list(logits.shape)}, expected "
+                             f"[len(draft_input_ids), vocab] = [{len(ids)}, {limits.vocab_size}]")
+    return DraftTokens(list(ids), logits)
 
 
 def prompt_table(p: InferParameters, hidden_size: int) -> PromptTable | None:
@@ -183,7 +214,8 @@ BEAM_CONFLICTS = {"do_sample": lambda p: p.do_sample is True, "temperature": lam
                   "no_repeat_ngram_size": lambda p: p.no_repeat_ngram_size != 0, "min_length": lambda p: p.min_length,
                   "stop_words": lambda p: p.stop_words, "bad_words": lambda p: p.bad_words,
                   "embedding_bias": lambda p: p.embedding_bias is not None,
-                  "top_log_probs": lambda p: p.top_log_probs != 0}
+                  "top_log_probs": lambda p: p.top_log_probs != 0, "draft_input_ids": lambda p: p.draft_input_ids,
+                  "prompt_lookup": lambda p: p.prompt_lookup is True}
 
 
 def check_beam_search(body: InferTokenRequest, limits: ServedLimits) -> None:

@@ -91,7 +91,8 @@ class OpenAIFrontend:
                                 f"{self.max_prompt_tokens} fit (model length minus max_iter_times)", "messages",
                            "context_length_exceeded")
         params = self._params(body, (body.top_logprobs or 0) if body.logprobs else None, grammar=grammar)
-        request = GenerationRequest(f"{request_id}-0", prompt_ids, params, body.priority, deadline, body.n)
+        request = GenerationRequest(f"{request_id}-0", prompt_ids, params, body.priority, deadline, body.n,
+                                    prompt_lookup=body.prompt_lookup)
         return [Choice(j, 0, len(prompt_ids), request, may_call_tools=tools is not None) for j in range(body.n)]
 
     def _chat_grammar(self, body: ChatCompletionRequest) -> Grammar | None:
@@ -141,7 +142,8 @@ class OpenAIFrontend:
         for i, prompt in enumerate(body.prompts()):
             prompt_ids = self._prompt_ids(body, i, prompt)
             prefix = "" if not body.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
-            request = GenerationRequest(f"{request_id}-{i}", prompt_ids, params, body.priority, deadline, made)
+            request = GenerationRequest(f"{request_id}-{i}", prompt_ids, params, body.priority, deadline, made,
+                                        prompt_lookup=body.prompt_lookup)
             choices += [Choice(i * made + j, i, len(prompt_ids), request, prefix, echo_logprobs, scores_only)
                         for j in range(made)]
         return choices

@@ -96,6 +96,9 @@ class SamplingFields(StrictModel):
     ignore_eos: StrictBool = False
     structured_outputs: StructuredOutputs | None = Field(
         None, description="vLLM's extension: a regex or a choice list the output must match")
+    prompt_lookup: StrictBool | None = Field(
+        None, description="speculative decoding by prompt lookup, the same output sooner on text that repeats its "
+                          "prompt (docs/serving.md); absent: the server's setting")
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -41,6 +41,9 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
     prefix_cache_hits: int  # of those, tokens found
     prompt_tokens_computed: int  # prompt tokens run through the model since start (hits and imports are not)
+    spec_decode_num_drafts: int  # steps of a sequence that verified draft tokens (engine/speculative.py)
+    spec_decode_num_draft_tokens: int  # draft tokens verified
+    spec_decode_num_accepted_tokens: int  # of those, the ones that stood
     dtype: str
 
     @property
@@ -95,14 +98,15 @@ class AsyncEngine:
         return self._stats
 
     def _snapshot(self) -> EngineStats:
-        scheduler, blocks = self.engine.scheduler, self.engine.blocks
+        scheduler, blocks, drafter = self.engine.scheduler, self.engine.blocks, self.engine.drafter
         waiting = {p: 0 for p in range(PRIORITY_MIN, PRIORITY_MAX + 1)}
         for seq in scheduler.waiting:
             waiting[seq.priority] += 1
         counts = blocks.counts()
         return EngineStats(counts.total, counts.held, counts.cached, waiting, len(scheduler.running),
                            dict(self._finished), blocks.prefix_queries, blocks.prefix_hits,
-                           scheduler.num_prompt_tokens_computed, self.engine.dtype)
+                           scheduler.num_prompt_tokens_computed, drafter.num_drafts, drafter.num_draft_tokens,
+                           drafter.num_accepted_tokens, self.engine.dtype)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

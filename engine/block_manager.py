@@ -161,7 +161,8 @@ class BlockManager:
         A key already owned by another block stays with that one; this block stays unkeyed."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        # Accepted drafts are computed a moment before they are appended: key only blocks of known tokens.
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         for i, key in enumerate(self.block_hashes(seq, num_full)):
             block = seq.block_table[i]
             if self.block_key[block] is None and key not in self._by_key:

@@ -25,14 +25,26 @@ class EngineConfig:
     sampler_backend: str = "auto"  # auto (Ascend's operator on an NPU, else torch), native, ascend
     torch_threads: int | None = None  # intra-op threads for this engine; None: torch's default
     enable_prefix_caching: bool = True  # reuse the KV of full blocks other requests computed
+    # Speculative decoding (engine/speculative.py): a request's own draft tokens, at most this many
+    # (TensorRT-LLM's max_draft_len), all verified in one step.
+    max_draft_tokens: int = 8
+    prompt_lookup: bool = False  # draft by prompt lookup when a request does not say (its prompt_lookup)
+    num_speculative_tokens: int = 4  # prompt lookup's drafts per step
+    prompt_lookup_min: int = 2  # the shortest n-gram matched
+    prompt_lookup_max: int = 4  # the longest, tried first
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_iter_times"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_iter_times", "num_speculative_tokens",
+                     "prompt_lookup_min"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks: must be >= 1")
+        if self.max_draft_tokens < 0:
+            raise ValueError("max_draft_tokens: must be >= 0 (0 refuses draft tokens)")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError("prompt_lookup_max: must be >= prompt_lookup_min")
         if self.default_timeout_s <= 0:
             raise ValueError("default_timeout_s: must be > 0")

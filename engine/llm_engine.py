@@ -37,6 +37,7 @@ from engine.outputs import (ABORT, EOS, LENGTH, STOP, TIMEOUT, ChoiceStart, Pref
                             TokenLogprob)
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.speculative import Drafter, accepted_length
 from sampling import SamplerOutput, SamplingParams, SamplingRow
 from sampling.grammar import GrammarCompiler, GrammarDeadEnd, Matcher, MatcherState
 from sampling.params import MAX_SEED, choice_seed
@@ -70,6 +71,7 @@ class LLMEngine(BeamSteps):
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded, self.blocks, config)
         self.runner.warm_up(config.max_num_batched_tokens)
+        self.drafter = Drafter(config)
         self._kv_namespace = f"{self.loaded.model_id}:{self.dtype}".encode()
         self._seqs: dict[tuple[str, int], Sequence] = {}
         self._detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
@@ -89,9 +91,11 @@ class LLMEngine(BeamSteps):
         """Raise ValueError (message starting with the field's name) if the request can never run."""
         table = request.prompt_table
         prompt_ids_end = self.vocab_size + (table.size if table is not None else 0)  # p-tuning ids past the vocabulary
+        drafts = request.draft.token_ids if request.draft is not None else []
         for name, ids, end in (("prompt_token_ids", request.prompt_token_ids, prompt_ids_end),
                                ("parameters", request.params.token_ids_in_use(), self.vocab_size),
-                               ("resumed_output_ids", request.resumed_output_ids, self.vocab_size)):
+                               ("resumed_output_ids", request.resumed_output_ids, self.vocab_size),
+                               ("draft_input_ids", drafts, self.vocab_size)):
             bad = [t for t in ids if not 0 <= t < end]
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {end})")
@@ -102,6 +106,10 @@ class LLMEngine(BeamSteps):
                                  f"[prompt_vocab_size, {hidden}]")
             if request.params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs: a prompt with p-tuning ids has no token to score at those ids")
+        if request.draft is not None:
+            self._validate_drafts(request)
+        if request.prompt_lookup and (request.params.beam_width > 1 or request.params.grammar is not None):
+            raise ValueError("prompt_lookup: beam search and grammars (response_format, tools) run without drafts")
         if len(request.resumed_output_ids) >= request.params.max_new_tokens:
             raise ValueError("resumed_output_ids: the request already has max_new_tokens tokens")
         if request.params.grammar is not None:
@@ -120,6 +128,20 @@ class LLMEngine(BeamSteps):
                 raise ValueError(f"prefill.choices: choice {bad[0]} is outside [0, {bound})")
         if request.params.beam_width > 1 and (request.n != 1 or request.resumed_output_ids):
             raise ValueError("beam_width: beam search runs one choice (n=1) and is never resumed")
+
+    def _validate_drafts(self, request: GenerationRequest) -> None:
+        draft, limit = request.draft, self.config.max_draft_tokens
+        if len(draft.token_ids) > limit:
+            raise ValueError(f"draft_input_ids: {len(draft.token_ids)} draft tokens, at most {limit} here "
+                             "(max_draft_tokens)")
+        if request.params.beam_width > 1 or request.params.grammar is not None:
+            raise ValueError("draft_input_ids: beam search and grammars run without drafts")
+        if draft.logits is not None:
+            if draft.logits.shape[1] != self.vocab_size:
+                raise ValueError(f"draft_logits: shape {list(draft.logits.shape)}, this model needs "
+                                 f"[draft tokens, {self.vocab_size}]")
+            if not np.isfinite(draft.logits).all():
+                raise ValueError("draft_logits: values must be finite")
 
     def add_request(self, request: GenerationRequest, mode: Mode = Mode.GENERATE,
                     prefill: PrefillResult | None = None, kv_export_start: int = 0) -> None:
@@ -210,19 +232,25 @@ class LLMEngine(BeamSteps):
 
     def step(self) -> list[RequestOutput]:
         outputs = self._expire(time.time())
+        self._propose_drafts()
         batch = self.scheduler.schedule()
         self._kv_wanted += [seq.request_id for seq in batch.kv_wanted]
         for seq, why in batch.unservable:
             outputs += self._finish(seq, ABORT, [], "", [], error=why)
         if batch.entries:
             rows, repeats = [], []
-            for (seq, _), samples in zip(batch.entries, batch.sampling):
+            for (seq, _), samples, drafted in zip(batch.entries, batch.sampling, batch.drafted):
+                if drafted:
+                    rows += self._draft_rows(seq, drafted)
+                    repeats.append(drafted + 1)
+                    continue
                 choices = self._sampled_choices(seq) if samples else []
                 # Choices not forked yet stand where seq stands (no output): they share its mask.
                 bitmask = self._grammar_bitmask(seq) if choices and seq.params.grammar else None
                 rows += [self._sampling_row(seq, c.seed, bitmask) for c in choices]
                 repeats.append(len(choices))
             result = self.runner.run(batch, rows, repeats)
+            accepted = self._accepted_drafts(batch, result, repeats)
             for scores in result.prompt_scores:
                 scores.seq.prompt_logprobs[scores.first:scores.first + len(scores.entries)] = scores.entries
             for kept in result.context_logits:  # by position: a preempted prompt's rows come again
@@ -230,9 +258,50 @@ class LLMEngine(BeamSteps):
                 if seq.context_logits is None:
                     seq.context_logits = torch.empty(seq.num_prompt_tokens, kept.logits.shape[1])
                 seq.context_logits[kept.first:kept.first + len(kept.logits)] = kept.logits
-            self.scheduler.commit(batch)
-            outputs += self._postprocess(batch, result, repeats)
+            self.scheduler.commit(batch, [k - a for k, a in zip(batch.drafted, accepted)])
+            outputs += self._postprocess(batch, result, repeats, accepted)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Each sequence about to decode gets this step's drafts (engine/speculative.py): one whose
+        last token is all it has left to compute, or one that waits for P's KV and its first step."""
+        for seq in self._seqs.values():
+            left = seq.num_tokens - seq.num_computed_tokens
+            decoding = seq.num_output_tokens > 0 and (left == 1 or seq.pending_kv is not None)
+            seq.step_drafts = self.drafter.propose(seq, self._draft_room(seq)) if decoding else None
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """Drafts worth verifying: the tokens ``seq`` may still produce, less the one every step makes."""
+        own = seq.num_output_tokens - (1 if seq.mode is Mode.DECODE else 0)  # as _finish_reason counts
+        left = min(seq.params.max_new_tokens - seq.num_output_tokens, self.config.max_iter_times - own,
+                   self.max_model_len - seq.num_tokens)
+        return left - 1
+
+    def _draft_rows(self, seq: Sequence, k: int) -> list[SamplingRow]:
+        """The k + 1 rows of a step that verifies k drafts: row j samples after the drafts before
+        it, as plain decoding would after those tokens; a row with the draft's probabilities
+        verifies its draft by the speculative-sampling rule in the sampler."""
+        drafts = seq.step_drafts
+        rows = []
+        for j in range(k + 1):
+            row = self._sampling_row(seq, seq.seed)
+            row.output_ids = seq.output_ids + drafts.token_ids[:j]
+            if j < k and drafts.probs is not None:
+                row.draft_token, row.draft_probs = drafts.token_ids[j], drafts.probs[j]
+            rows.append(row)
+        return rows
+
+    def _accepted_drafts(self, batch: ScheduledBatch, result: StepResult, repeats: list[int]) -> list[int]:
+        """Per entry, how many of its drafts stand (engine/speculative.py), counted for the metrics."""
+        accepted, row = [], 0
+        for (seq, _), drafted, repeat in zip(batch.entries, batch.drafted, repeats):
+            count = 0
+            if drafted:
+                count = accepted_length(result.sampled.token_ids[row:row + drafted], seq.step_drafts.token_ids)
+                self.drafter.record(drafted, count)
+            accepted.append(count)
+            row += repeat
+        return accepted
 
     def _sampled_choices(self, seq: Sequence) -> list[PendingChoice]:
         """The choices whose next token this sequence's last logits give: its own, and at the
@@ -274,10 +343,11 @@ class LLMEngine(BeamSteps):
         """The request's end id (TensorRT-LLM's end_id), else the model's EOS ids."""
         return [params.eos_token_id] if params.eos_token_id is not None else self.loaded.eos_token_ids
 
-    def _postprocess(self, batch: ScheduledBatch, result: StepResult, repeats: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, batch: ScheduledBatch, result: StepResult, repeats: list[int],
+                     accepted: list[int]) -> list[RequestOutput]:
         outputs, row = [], 0
         stepped: dict[str, BeamGroup] = {}
-        for (seq, _), repeat in zip(batch.entries, repeats):
+        for (seq, _), repeat, drafted, standing in zip(batch.entries, repeats, batch.drafted, accepted):
             if not repeat:
                 continue
             group = self._beams.get(seq.request_id)
@@ -293,6 +363,12 @@ class LLMEngine(BeamSteps):
             row += repeat
             if seq.mode is Mode.PREFILL:
                 outputs += self._hand_over(seq, list(zip(self._sampled_choices(seq), tokens)))
+                continue
+            if drafted:  # the drafts that stand and the token after them, one output each, until one ends it
+                for token in tokens[:standing + 1]:
+                    outputs += self._append_token(seq, token)
+                    if seq.status is SequenceStatus.FINISHED:
+                        break
                 continue
             if seq.pending_choices:
                 outputs += self._fork_choices(seq, tokens[1:])

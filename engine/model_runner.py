@@ -105,8 +105,9 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, rows: list[SamplingRow], rows_per_entry: list[int]) -> StepResult:
         """One forward over every entry of ``batch``; sample ``rows_per_entry[i]`` rows from the
         last token of each entry that reaches its end (``rows``, in entry order: one per choice
-        when a prompt's choices are sampled together), and score the prompt tokens of entries
-        whose sequence asked for it."""
+        when a prompt's choices are sampled together; with k drafts, one per position of the
+        last token and the drafts), and score the prompt tokens of entries whose sequence asked
+        for it."""
         for seq, first in batch.kv_imports:
             self.import_kv(seq, first)
         self.copy_blocks(batch.block_copies)
@@ -116,9 +117,11 @@ class ModelRunner:
         inputs, flat = self._inputs_np, 0  # [3, N]: ids, positions, slots
         table_rows, table_embeddings = [], []  # p-tuning: flat rows whose embedding comes from a prompt table
         vocab = self.loaded.spec.vocab_size
-        for (seq, n), samples, repeat in zip(batch.entries, batch.sampling, rows_per_entry):
+        for (seq, n), repeat, drafted in zip(batch.entries, rows_per_entry, batch.drafted):
             start = seq.num_computed_tokens
             chunk = seq.token_ids[start:start + n]
+            if drafted:  # the last token, then the drafts: each of the k + 1 rows samples
+                chunk += seq.step_drafts.token_ids[:drafted]
             if seq.prompt_table is not None and max(chunk) >= vocab:
                 virtual = [(flat + j, t - vocab) for j, t in enumerate(chunk) if t >= vocab]
                 table_rows += [row for row, _ in virtual]
@@ -132,7 +135,7 @@ class ModelRunner:
                 decodes.append((flat, start + 1, seq.block_table))
             else:
                 prefills.append((flat, n, start, slots))
-            sample_rows += [flat + n - 1] * repeat
+            sample_rows += list(range(flat + n - 1 - drafted, flat + n)) if drafted else [flat + n - 1] * repeat
             # Row p's logits score the token at p + 1; the prompt's last row samples instead.
             scored = min(start + n, seq.num_prompt_tokens - 1) - start
             if seq.prompt_logprobs is not None and scored > 0:

@@ -35,6 +35,15 @@ class PromptTable:
         return self.embeddings.shape[0]
 
 
+@dataclass(frozen=True)
+class DraftTokens:
+    """A request's draft of its output (engine/speculative.py): ``token_ids[i]`` guesses output
+    token i; ``logits`` [len(token_ids), V] float32, the draft model's, when it sent them."""
+
+    token_ids: list[int]
+    logits: np.ndarray | None = None
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
@@ -50,6 +59,8 @@ class GenerationRequest:
     resumed_output_ids: list[int] = field(default_factory=list)
     resumed_logprob: float = 0.0
     prompt_table: PromptTable | None = None  # p-tuning: prompt ids past the vocabulary index it
+    draft: DraftTokens | None = None  # speculative decoding with the caller's drafts
+    prompt_lookup: bool | None = None  # speculative decoding by prompt lookup; None: the engine's default
 
     def __post_init__(self) -> None:
         if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
@@ -60,6 +71,10 @@ class GenerationRequest:
             raise ValueError(f"n: must be in [1, {MAX_CHOICES}]")
         if self.resumed_output_ids and self.n != 1:
             raise ValueError("resumed_output_ids: a resumed request has one choice (n=1)")
+        if self.draft is not None and self.draft.logits is not None and (
+                self.draft.logits.ndim != 2 or len(self.draft.logits) != len(self.draft.token_ids)):
+            raise ValueError(f"draft_logits: shape {list(self.draft.logits.shape)}, expected one row per draft token "
+                             f"[{len(self.draft.token_ids)}, vocab]")
 
 
 class SequenceStatus(Enum):
@@ -126,6 +141,9 @@ class Sequence:
         # model and dtype, a p-tuning table's digest; a LoRA adapter when that exists).
         self.prompt_table = request.prompt_table
         self.kv_namespace = kv_namespace + (request.prompt_table.digest if request.prompt_table else b"")
+        self.draft = request.draft
+        self.prompt_lookup = request.prompt_lookup
+        self.step_drafts = None  # StepDrafts the next step verifies (engine/speculative.py), set before each step
         self.block_hashes: list[bytes] = []  # chained keys of the full blocks, memoised (tokens never change)
         # Prompt scores, by position (position 0 has none), filled as the prompt's chunks run;
         # None unless asked for. DECODE mode never scores: P did, and sent them to the client.

@@ -3,7 +3,8 @@
 Policy:
 - order: priority 1..5 (1 first), FIFO within a level (``Sequence.order_key``);
 - running requests first, in that order: a decoding request takes 1 token of the step's
-  budget, a prefilling one a chunk of its prompt (chunked prefill);
+  budget (1 + k with k draft tokens to verify, as many as the budget leaves room for), a
+  prefilling one a chunk of its prompt (chunked prefill);
 - then waiting requests are admitted in that order while blocks, the token budget and
   ``max_num_seqs`` allow; admission stops at the first that does not fit, so a later,
   smaller request never overtakes it;
@@ -37,6 +38,8 @@ from engine.request import PendingChoice, Sequence, SequenceStatus
 class ScheduledBatch:
     entries: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
     sampling: list[bool] = field(default_factory=list)  # per entry: its chunk reaches its last token
+    # Per entry: draft tokens run after its last token (engine/speculative.py), 0 for most.
+    drafted: list[int] = field(default_factory=list)
     # (sequence, first token to import): write pending KV from there on, before the forward;
     # the tokens before it were prefix-cache hits.
     kv_imports: list[tuple[Sequence, int]] = field(default_factory=list)
@@ -102,12 +105,14 @@ class Scheduler:
         self.running.append(child)
         return child
 
-    def commit(self, batch: ScheduledBatch) -> None:
-        """The forward ran: the scheduled tokens are computed, and their full blocks are cached."""
-        for seq, n in batch.entries:
+    def commit(self, batch: ScheduledBatch, rejected: list[int] | None = None) -> None:
+        """The forward ran: the scheduled tokens are computed, less each entry's ``rejected``
+        drafts (their KV is garbage, overwritten later), and their full blocks are cached.
+        Accepted drafts count as computed before the engine appends them to the sequence."""
+        for (seq, n), dropped in zip(batch.entries, rejected or [0] * len(batch.entries)):
             start = seq.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(start + n, seq.num_prompt_tokens) - start)
-            seq.num_computed_tokens = start + n
+            seq.num_computed_tokens = start + n - dropped
             self.blocks.cache_full_blocks(seq)
 
     def schedule(self) -> ScheduledBatch:
@@ -125,7 +130,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._new_tokens(seq, seq.num_computed_tokens, budget)
             if n == 0:  # a beam that has reported its step waits for its siblings (engine/beam_search.py)
                 continue
             if not self._make_room(seq, n, batch):
@@ -136,7 +141,8 @@ class Scheduler:
         # Running requests that lost blocks this step come before anything new.
         if len(batch.preempted) == preempted_for_waiting:
             self._admit(batch, budget)
-        batch.sampling = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in batch.entries]
+        batch.drafted = [max(0, seq.num_computed_tokens + n - seq.num_tokens) for seq, n in batch.entries]
+        batch.sampling = [seq.num_computed_tokens + n >= seq.num_tokens for seq, n in batch.entries]
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
@@ -180,11 +186,18 @@ class Scheduler:
         return not active or active + 1 + len(seq.pending_choices) <= self.max_num_seqs
 
     @staticmethod
-    def _first_chunk(seq: Sequence, hit_tokens: int, budget: int) -> tuple[int, int]:
+    def _new_tokens(seq: Sequence, computed: int, budget: int) -> int:
+        """Tokens to run from ``computed`` on: the rest of the sequence, and its drafts when only its
+        last token is left (engine/speculative.py), within the budget."""
+        remaining = seq.num_tokens - computed
+        drafts = len(seq.step_drafts.token_ids) if remaining == 1 and seq.step_drafts is not None else 0
+        return min(remaining + drafts, budget)
+
+    def _first_chunk(self, seq: Sequence, hit_tokens: int, budget: int) -> tuple[int, int]:
         """(tokens computed on admission: prefix hits, or the prompt when its KV arrives imported;
         tokens to compute now) for a waiting sequence."""
         computed = seq.pending_kv.meta.num_tokens if seq.pending_kv is not None else hit_tokens
-        return computed, min(seq.num_tokens - computed, budget)
+        return computed, self._new_tokens(seq, computed, budget)
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Preempt until ``seq`` can grow by n tokens; False if ``seq`` itself was preempted."""

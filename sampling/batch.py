@@ -28,6 +28,10 @@ class SamplingRow:
     output_ids: list[int]
     eos_token_ids: list[int]  # the model's EOS ids, or [params.eos_token_id]
     token_bitmask: torch.Tensor | None = None  # [W] int32: the tokens its grammar allows (sampling/grammar.py)
+    # A draft token this row verifies, with its draft probabilities [V] (sampling/speculative.py).
+    # A draft without them needs nothing here: the engine compares it with the row's token.
+    draft_token: int | None = None
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclass
@@ -36,7 +40,10 @@ class SamplingBatch:
     # Row partitions known on the host when the batch is built, so that the sampler does not
     # read them back from the device (one host sync per step: the sampled ids).
     greedy_rows: torch.Tensor  # [Rg] int64: rows that take the argmax
-    sampled_rows: torch.Tensor  # [Rs] int64: the others
+    sampled_rows: torch.Tensor  # [Rs] int64: the others, but for the draft rows
+    draft_rows: torch.Tensor  # [Rq] int64: sampled rows that verify a draft with its probabilities
+    draft_tokens: torch.Tensor  # [Rq] int64: their draft tokens
+    draft_probs: torch.Tensor | None  # [Rq, V] float32: their draft probabilities; None when Rq = 0
     min_p_rows: torch.Tensor  # [Rm] int64: sampled rows with min-p on
     scales_temperature: bool  # some row's temperature is not 1
     temperature: torch.Tensor  # [R] float32, 1.0 on greedy rows
@@ -61,12 +68,16 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype, device=device)
 
         greedy = [p.greedy for p in params]
+        drafts = [i for i, (g, r) in enumerate(zip(greedy, rows)) if not g and r.draft_probs is not None]
         constrained = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
         temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
         return cls(
             rows=rows,
             greedy_rows=tensor([i for i, g in enumerate(greedy) if g], torch.int64),
-            sampled_rows=tensor([i for i, g in enumerate(greedy) if not g], torch.int64),
+            sampled_rows=tensor([i for i, g in enumerate(greedy) if not g and i not in drafts], torch.int64),
+            draft_rows=tensor(drafts, torch.int64),
+            draft_tokens=tensor([rows[i].draft_token for i in drafts], torch.int64),
+            draft_probs=torch.stack([rows[i].draft_probs for i in drafts]).to(device) if drafts else None,
             min_p_rows=tensor([i for i, (g, p) in enumerate(zip(greedy, params)) if not g and p.min_p > 0],
                               torch.int64),
             scales_temperature=any(t != 1.0 for t in temperature),

@@ -5,7 +5,9 @@ grammar mask (tokens a row's grammar forbids get -inf; sampling/grammar.py) -> p
 (sampling/processors.py) -> temperature -> logprobs (from this distribution,
 after penalties and temperature and before truncation, as OpenAI reports them) -> greedy
 rows take the argmax -> min-p (before top-k/top-p, as vLLM does) -> top-k -> top-p ->
-exponential race with noise keyed by (seed, step, token) (sampling/noise.py).
+exponential race with noise keyed by (seed, step, token) (sampling/noise.py). A row that
+verifies a draft with the draft's probabilities takes the speculative-sampling rule instead
+of the race (sampling/speculative.py).
 
 The backend is chosen once, in ``__init__``: Ascend's fused operator when the logits
 live on an NPU, else the native torch reference (CPU, CUDA).
@@ -22,6 +24,7 @@ from sampling.batch import SamplingBatch
 from sampling.grammar import allowed_tokens
 from sampling.noise import exponential_noise
 from sampling.processors import apply_all
+from sampling.speculative import target_probs, verify_drafts
 from sampling.topk_topp import take_rows, top_k_top_p_sample
 
 
@@ -65,14 +68,20 @@ class Sampler:
             logits.div_(batch.temperature[:, None])
         logprob_table = logits.log_softmax(-1) if batch.max_logprobs is not None else None
 
-        greedy_rows, sampled_rows = batch.greedy_rows, batch.sampled_rows
-        if not sampled_rows.numel():  # all greedy: no scatter
+        greedy_rows, sampled_rows, draft_rows = batch.greedy_rows, batch.sampled_rows, batch.draft_rows
+        if not sampled_rows.numel() and not draft_rows.numel():  # all greedy: no scatter
             return self._output(logits.argmax(-1), logprob_table, batch)
         token_ids = torch.empty(len(batch.rows), dtype=torch.int64, device=logits.device)
         if greedy_rows.numel():
             token_ids[greedy_rows] = logits[greedy_rows].argmax(-1)
         self._apply_min_p(logits, batch)
-        token_ids[sampled_rows] = self._sample(logits, batch, sampled_rows)
+        if sampled_rows.numel():
+            token_ids[sampled_rows] = self._sample(logits, batch, sampled_rows)
+        if draft_rows.numel():
+            rows = draft_rows
+            p = target_probs(logits[rows], batch.top_k[rows], batch.top_p[rows])
+            token_ids[rows] = verify_drafts(p, batch.draft_tokens, batch.draft_probs, batch.seed_lo[rows],
+                                            batch.seed_hi[rows], batch.step[rows])
         return self._output(token_ids, logprob_table, batch)
 
     @staticmethod

@@ -2,8 +2,10 @@
 no JSON Schema can state, relations between values: a completion's ``best_of`` must be at least
 its ``n``; tool names are unique, a named ``tool_choice`` names one of them, a tool message
 answers an earlier call; a function's ``parameters`` and a ``structured_outputs.regex`` compile in
-the grammar engine; on /infer_token, beam search's exclusions and limits, a p-tuning table that
-fills its shape and matches the model, logits within the server's size limit.
+the grammar engine, and grammars run without prompt lookup; on /infer_token, beam search's
+exclusions and limits, a p-tuning table that fills its shape and matches the model, logits within
+the server's size limit, draft tokens within the vocabulary and max_draft_tokens, and draft
+logits one row each.
 Their 400s are dropped from the failures; every other failure stands."""
 
 import json
@@ -27,6 +29,7 @@ def filter_failure(context, failure, case, response) -> bool:
                 or re.fullmatch(r"messages\.\d+\.tool_call_id", param) and "answers no earlier" in message
                 or (re.fullmatch(r"tools\.\d+\.function\.parameters", param) or param == "structured_outputs.regex")
                 and "grammar engine" in message
+                or param == "prompt_lookup" and "without drafts" in message
                 or _infer_token_relation(param, message))
 
 
@@ -39,4 +42,6 @@ def _infer_token_relation(param: str, message: str) -> bool:
         param == "input_id" and "prompt table" in message
     logits = param in ("parameters.return_context_logits", "parameters.return_generation_logits") and \
         "max_logits_floats" in message
-    return beams or table or logits
+    drafts = param.startswith("parameters.draft_logits") or \
+        param == "parameters.draft_input_ids" and ("max_draft_tokens" in message or "vocabulary" in message)
+    return beams or table or logits or drafts

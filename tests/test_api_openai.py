@@ -70,6 +70,19 @@ def test_chat_matches_engine_and_counts_template_tokens(base_url, reference, app
 
 
 @pytest.mark.parametrize("app", APPS)
+def test_prompt_lookup_per_request_gives_the_same_answer(base_url, app):
+    c = client(base_url, app)
+    asked = dict(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0.7, seed=9)
+    plain = c.chat.completions.create(**asked)
+    looked_up = c.chat.completions.create(**asked, extra_body={"prompt_lookup": True})
+    assert looked_up.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as error:  # grammars run without drafts
+        c.chat.completions.create(**asked, extra_body={"prompt_lookup": True},
+                                  response_format={"type": "json_object"})
+    assert error.value.body["param"] == "prompt_lookup"
+
+
+@pytest.mark.parametrize("app", APPS)
 def test_streamed_chat_equals_the_whole_answer(base_url, app):
     c = client(base_url, app)
     whole = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)

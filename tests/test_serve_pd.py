@@ -313,3 +313,59 @@ def test_prompt_table_mistakes_name_the_field(base_url, reference_engine, change
     change(parameters, ids)
     response = httpx.post(f"{base_url}/pd/infer_token", json={"input_id": ids, "parameters": parameters}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def spec_counts(url: str, app: str) -> dict[str, float]:
+    """The speculative-decoding counters /metrics shows, by deployment."""
+    text = httpx.get(f"{url}/{app}/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("pdserve_spec_decode_num_"):
+            name_labels, value = line.rsplit(" ", 1)
+            out[name_labels] = float(value)
+    return out
+
+
+def test_draft_tokens_over_pd_and_colocated_stream_the_plain_tokens(base_url, reference_engine):
+    """Drafts partly right: the same tokens, one event each; D (or the colocated engine) verified
+    the drafts after P's first token, and /metrics counts them."""
+    engine = reference_engine
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([GenerationRequest("d", PROMPTS[1], params)])["d"].output_token_ids
+    drafts = expected[:6] + [(expected[6] + 1) % engine.vocab_size]  # 6 right, the 7th wrong
+    for app, deployment in (("pd", "DecodeServer"), ("co", "LLMServer")):
+        before = spec_counts(base_url, app)
+        events = infer(base_url, app, PROMPTS[1], stream=True, max_new_tokens=12, do_sample=False, ignore_eos=True,
+                       draft_input_ids=drafts)
+        assert stream_tokens(events) == expected and events[-1]["details"]["generated_tokens"] == 12
+        after = spec_counts(base_url, app)
+        label = f'{{deployment="{deployment}"}}'
+        # The first draft meets the prompt's token; the other 6 are verified in one step, 5 stand.
+        assert after[f"pdserve_spec_decode_num_draft_tokens{label}"] - \
+            before.get(f"pdserve_spec_decode_num_draft_tokens{label}", 0) == 6
+        assert after[f"pdserve_spec_decode_num_accepted_tokens{label}"] - \
+            before.get(f"pdserve_spec_decode_num_accepted_tokens{label}", 0) == 5
+        seeded = dict(max_new_tokens=12, temperature=0.8, top_k=50, seed=5, ignore_eos=True)
+        assert infer(base_url, app, PROMPTS[3], prompt_lookup=True, **seeded)["generated_text"] == \
+            infer(base_url, app, PROMPTS[3], **seeded)["generated_text"]
+    # The server's cap inside an accepted run, with MindIE's P + D count.
+    for app, cap in (("pdcap", CAP + 1), ("cocap", CAP)):
+        answer = infer(base_url, app, PROMPTS[1], max_new_tokens=100, do_sample=False, ignore_eos=True,
+                       draft_input_ids=expected[:8])
+        assert answer["details"]["generated_tokens"] == cap and answer["details"]["finish_reason"] == "length"
+        assert answer["generated_text"] == engine.tokenizer.decode(expected[:cap], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("parameters, param", [
+    ({"draft_input_ids": [5] * 9}, "parameters.draft_input_ids"),  # max_draft_tokens is 8
+    ({"draft_input_ids": [100000]}, "parameters.draft_input_ids"),
+    ({"draft_logits": {"shape": [1, 2], "dtype": "float32", "data": "AAAAAAAAAAA="}}, "parameters.draft_logits"),
+    ({"draft_input_ids": [5], "draft_logits": {"shape": [1, 2], "dtype": "float32", "data": "AAAAAAAAAAA="}},
+     "parameters.draft_logits"),
+    ({"draft_input_ids": [5], "beam_width": 2}, "parameters.draft_input_ids"),
+    ({"prompt_lookup": True, "beam_width": 2}, "parameters.prompt_lookup"),
+])
+def test_draft_mistakes_name_the_field(base_url, parameters, param):
+    body = {"input_id": PROMPTS[0], "parameters": {"max_new_tokens": 3, **parameters}}
+    response = httpx.post(f"{base_url}/pd/infer_token", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
