@@ -12,6 +12,7 @@ from ray.serve import Application
 from deployments.config import AppArgs
 from deployments.ingress import Ingress
 from deployments.embeddings import EmbeddingServer
+from deployments.lora_store import LoraStore
 from deployments.servers import DecodeServer, LLMServer, PrefillServer
 from engine.loader import model_fingerprint, resolve_model_dir
 
@@ -42,10 +43,12 @@ def pd_app(args: AppArgs | dict | None = None, prefill_options: dict | None = No
         raise ValueError(f"prefill_model / decode_model: P and D must serve the same model, since D continues "
                          f"from P's KV; got {prefill_model!r} and {decode_model!r}")
     options = dict(max_ongoing_requests=args.max_ongoing_requests)
-    prefill = PrefillServer.options(**{**options, **(prefill_options or {})}).bind(args.engine_config(prefill_model))
+    store = _lora_store(args)
+    prefill = PrefillServer.options(**{**options, **(prefill_options or {})})
+    prefill = prefill.bind(args.engine_config(prefill_model), store, args.max_loras)
     decode = DecodeServer.options(**{**options, **(decode_options or {})})
-    decode = decode.bind(args.engine_config(decode_model), args.heartbeat_s)
-    return Ingress.bind(args, prefill=prefill, decode=decode, embedder=_embedder(args))
+    decode = decode.bind(args.engine_config(decode_model), store, args.max_loras, args.heartbeat_s)
+    return Ingress.bind(args, lora_store=store, prefill=prefill, decode=decode, embedder=_embedder(args))
 
 
 def colocated_app(args: AppArgs | dict | None = None, llm_options: dict | None = None) -> Application:
@@ -53,9 +56,15 @@ def colocated_app(args: AppArgs | dict | None = None, llm_options: dict | None =
     args = _args(args)
     resolve_model_dir(args.model)
     options = dict(max_ongoing_requests=args.max_ongoing_requests, **(llm_options or {}))
-    llm = LLMServer.options(**options).bind(args.engine_config(), args.heartbeat_s)
-    return Ingress.bind(args, llm=llm, embedder=_embedder(args))
+    store = _lora_store(args)
+    llm = LLMServer.options(**options).bind(args.engine_config(), store, args.max_loras, args.heartbeat_s)
+    return Ingress.bind(args, lora_store=store, llm=llm, embedder=_embedder(args))
 
 
 def _embedder(args: AppArgs):
     return EmbeddingServer.bind() if args.embeddings else None
+
+
+def _lora_store(args: AppArgs):
+    """The app's LoRA adapters (deployments/lora_store.py), shared by every engine replica."""
+    return LoraStore.bind(args.model, args.lora_directories, args.max_lora_rank, args.max_lora_tasks)

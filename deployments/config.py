@@ -54,6 +54,13 @@ class AppArgs(BaseModel):
     num_speculative_tokens: int = Field(4, gt=0, description="prompt lookup: drafts per step")
     prompt_lookup_min: int = Field(2, gt=0, description="prompt lookup: the shortest n-gram matched")
     prompt_lookup_max: int = Field(4, gt=0, description="prompt lookup: the longest n-gram, tried first")
+    lora_modules: str | None = Field(None, description="PEFT LoRA adapter directories served by name, "
+                                     "'name=DIR,name2=DIR2' (vLLM's form); each name is a model id on /v1")
+    max_loras: int = Field(8, gt=0, description="LoRA adapters each P, D or colocated replica keeps (least "
+                           "recently used forgotten first)")
+    max_lora_rank: int = Field(16, gt=0, description="the largest LoRA rank an adapter may have")
+    max_lora_tasks: int = Field(64, gt=0, description="/infer_token: TensorRT-LLM task ids the app keeps the "
+                                "adapter of; past them the oldest is forgotten and its id alone is refused")
     max_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get a 413")
     embeddings: bool = Field(True, description="serve /v1/embeddings (all-MiniLM-L6-v2) in its own deployment")
     traces_exporter: Literal["none", "console"] = Field(
@@ -65,7 +72,21 @@ class AppArgs(BaseModel):
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError("prompt_lookup_max: must be >= prompt_lookup_min")
+        self.lora_directories  # noqa: B018 - a malformed lora_modules stops the build here
         return self
+
+    @property
+    def lora_directories(self) -> dict[str, str]:
+        """``lora_modules`` as {name: directory}."""
+        out: dict[str, str] = {}
+        for item in filter(None, (self.lora_modules or "").split(",")):
+            name, sep, directory = item.strip().partition("=")
+            if not sep or not name or not directory:
+                raise ValueError(f"lora_modules: {item!r} is not name=DIR")
+            if name in out:
+                raise ValueError(f"lora_modules: {name!r} is named twice")
+            out[name] = directory
+        return out
 
     @property
     def heartbeat_s(self) -> float:
@@ -79,4 +100,5 @@ class AppArgs(BaseModel):
             max_iter_times=self.max_iter_times, torch_threads=self.torch_threads,
             enable_prefix_caching=self.enable_prefix_caching, max_draft_tokens=self.max_draft_tokens,
             prompt_lookup=self.prompt_lookup, num_speculative_tokens=self.num_speculative_tokens,
-            prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
+            prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
+            max_lora_rank=self.max_lora_rank)

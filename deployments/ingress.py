@@ -37,6 +37,7 @@ from deployments.openai_stream import StreamWriter
 from deployments.openapi_doc import Served, openapi_schema
 from deployments.servers import ModelInfo
 from deployments.tracing import RequestTrace, SpanWriter, log_line, traced
+from engine.lora import LoraRef, ModelShape, from_trtllm
 from engine.outputs import TIMEOUT, RequestOutput
 from engine.request import GenerationRequest
 
@@ -119,8 +120,12 @@ def openai_error_events(error: BaseException) -> str:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, args: AppArgs, llm=None, prefill=None, decode=None, embedder=None) -> None:
+    def __init__(self, args: AppArgs, lora_store=None, llm=None, prefill=None, decode=None, embedder=None) -> None:
+        """``lora_store``: the app's LoraStore (deployments/lora_store.py); None serves no adapters."""
         self.args = args
+        self.lora_store = lora_store
+        self._lora_names: dict[str, LoraRef] | None = None
+        self._lora_shape: ModelShape | None = None
         self.backend = (ColocatedBackend(llm, args.stall_timeout_s) if llm is not None
                         else PDBackend(prefill, decode, args.kv_lease_s, args.stall_timeout_s))
         self.embedder = embedder
@@ -150,6 +155,40 @@ class Ingress:
             self._info = infos[0]
         return self._info
 
+    async def lora_names(self) -> dict[str, LoraRef]:
+        """The adapters served by name (AppArgs.lora_modules), fixed at start."""
+        if self._lora_names is None:
+            self._lora_names = {} if self.lora_store is None else await self.lora_store.names.remote()
+        return self._lora_names
+
+    async def infer_token_lora(self, p: mindie.InferParameters) -> LoraRef | None:
+        """The adapter /infer_token's LoRA fields name: a served name, a task id the app holds, or a
+        task's weights sent now (checked here against the model, then held by the store)."""
+        tensors = mindie.lora_tensors(p)
+        if p.lora_name is not None:
+            ref = (await self.lora_names()).get(p.lora_name)
+            if ref is None:
+                raise ValueError(f"parameters.lora_name: no adapter is named {p.lora_name!r} here (lora_modules)")
+            return ref
+        if p.lora_task_id is None:
+            return None
+        if self.lora_store is None:
+            raise ValueError("parameters.lora_task_id: this application serves no LoRA adapters")
+        if tensors is None:
+            ref = await self.lora_store.task.remote(p.lora_task_id)
+            if ref is None:
+                raise ValueError(f"parameters.lora_task_id: task {p.lora_task_id} is not cached; send lora_weights "
+                                 "and lora_config with it")
+            return ref
+        if self._lora_shape is None:
+            self._lora_shape = await self.lora_store.shape.remote()
+        try:
+            adapter = from_trtllm(f"task-{p.lora_task_id}", *tensors, self._lora_shape)
+            adapter.check(self._lora_shape, self.args.max_lora_rank, "lora_weights")
+        except ValueError as error:
+            raise ValueError(f"parameters.{error}") from None
+        return await self.lora_store.put_task.remote(p.lora_task_id, adapter)
+
     async def embedder_name(self) -> str:
         try:
             return await asyncio.wait_for(self.embedder.info.remote(), ENGINE_WAIT_S)
@@ -162,7 +201,8 @@ class Ingress:
             info = await self.model_info()
             tokenizer = AutoTokenizer.from_pretrained(info.model_path, local_files_only=True)
             self._frontend = OpenAIFrontend(tokenizer, self.served_model_name(info), info.vocab_size,
-                                            info.max_model_len, info.max_iter_times, self.args.finish_reasons)
+                                            info.max_model_len, info.max_iter_times, self.args.finish_reasons,
+                                            await self.lora_names())
         return self._frontend
 
     def served_model_name(self, info: ModelInfo) -> str:
@@ -221,7 +261,8 @@ class Ingress:
                                          self.args.max_logits_floats, self.args.max_beam_width, info.hidden_size,
                                          self.args.max_draft_tokens)
             request = mindie.to_generation_request(body, f"infer-{uuid.uuid4().hex}",
-                                                   http.state.arrival + body.parameters.timeout, limits)
+                                                   http.state.arrival + body.parameters.timeout, limits,
+                                                   await self.infer_token_lora(body.parameters))
         except ValueError as error:
             raise client_error(error) from None
         first, stream, trace = await self.start(request, http, "mindie")
@@ -332,11 +373,15 @@ class Ingress:
         raise APIError(404, f"model: {model_id!r} is not served here", "model", "model_not_found")
 
     async def model_cards(self) -> list[dict]:
-        """OpenAI's model objects: the LLM (with what this server adds) and the embedder."""
+        """OpenAI's model objects: the LLM (with what this server adds), its LoRA adapters (as vLLM
+        lists them: ``parent`` the base model, ``root`` the directory) and the embedder."""
         info = await self.model_info()
         cards = [{"id": self.served_model_name(info), "object": "model", "created": 0, "owned_by": "pdserve",
                   "max_model_len": info.max_model_len, "dtype": info.dtype,
                   "enable_prefix_caching": info.enable_prefix_caching}]
+        directories = self.args.lora_directories
+        cards += [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "parent": cards[0]["id"],
+                   "root": directories[name]} for name in await self.lora_names()]
         if self.embedder is not None:
             cards.append({"id": await self.embedder_name(), "object": "model", "created": 0,
                           "owned_by": "pdserve"})
@@ -348,7 +393,7 @@ class Ingress:
         if self._openapi is None:
             try:
                 info = await asyncio.wait_for(self.model_info(), ENGINE_WAIT_S)
-                served = Served(self.served_model_name(info), info)
+                served = Served(self.served_model_name(info), info, list(await self.lora_names()))
                 if self.embedder is not None:
                     served.embedding_name, served.embedding_vocab = await asyncio.wait_for(
                         asyncio.gather(self.embedder.info.remote(), self.embedder.vocab_size.remote()),

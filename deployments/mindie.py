@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import Field, StrictBool, StrictFloat, StrictInt
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from deployments.json_types import Seed, StrictModel, TokenId, sse_event
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput
+from engine.lora import LoraRef
 from engine.request import DraftTokens, GenerationRequest, PromptTable
 from sampling import SamplingParams
 from sampling.params import MAX_LENGTH_PENALTY, MAX_TOP_LOGPROBS
@@ -88,6 +89,14 @@ class InferParameters(StrictModel):
                           "speculative-sampling rule (docs/serving.md)")
     prompt_lookup: StrictBool | None = Field(
         None, description="speculative decoding by prompt lookup (docs/serving.md); absent: the server's setting")
+    lora_name: StrictStr | None = Field(None, description="a LoRA adapter the server serves by name (lora_modules)")
+    lora_task_id: Annotated[StrictInt, Field(ge=0, le=2**64 - 1)] | None = Field(
+        None, description="TensorRT-LLM's LoRA task: with lora_weights and lora_config the first time, alone after")
+    lora_weights: EncodedArray | None = Field(
+        None, description="[rows, r x in + out x r]: each row A then B of one module and layer (docs/serving.md)")
+    lora_config: Annotated[list[Annotated[list[StrictInt], Field(min_length=3, max_length=3)]],
+                           Field(min_length=1)] | None = Field(
+        None, description="[rows, 3]: module id, layer, rank of each lora_weights row")
     pad_id: StrictInt | None = Field(None, ge=0, description="beam search: pads details.output_ids of beams that "
                                      "ended early; default the model's pad id, else its end id")
 
@@ -112,8 +121,9 @@ class ServedLimits:
 
 
 def to_generation_request(body: InferTokenRequest, request_id: str, deadline: float,
-                          limits: ServedLimits) -> GenerationRequest:
-    """Raises ValueError naming the field for what only the served model can check."""
+                          limits: ServedLimits, lora: LoraRef | None = None) -> GenerationRequest:
+    """Raises ValueError naming the field for what only the served model can check. ``lora``:
+    the adapter the request's LoRA fields resolved to (``lora_fields``, then the ingress)."""
     p = body.parameters
     vocab_size = limits.vocab_size
     check_logits_size(p, len(body.input_id), limits)
@@ -149,7 +159,23 @@ def to_generation_request(body: InferTokenRequest, request_id: str, deadline: fl
         return_generation_logits=p.return_generation_logits, beam_width=p.beam_width, length_penalty=p.length_penalty,
         early_stopping={1: True, 0: False}.get(p.early_stopping, p.early_stopping))
     return GenerationRequest(request_id, body.input_id, params, priority=p.priority, deadline=deadline,
-                             prompt_table=table, draft=draft_tokens(p, limits), prompt_lookup=p.prompt_lookup)
+                             prompt_table=table, draft=draft_tokens(p, limits), prompt_lookup=p.prompt_lookup,
+                             lora=lora)
+
+
+def lora_tensors(p: InferParameters) -> tuple[np.ndarray, np.ndarray] | None:
+    """TensorRT-LLM's (lora_weights, lora_config) when the request sends them, checked for what
+    goes together; the ingress resolves them, or lora_task_id alone, or lora_name, to an adapter."""
+    if p.lora_name is not None and (p.lora_task_id is not None or p.lora_weights is not None):
+        raise ValueError("parameters.lora_name: names a served adapter; it does not combine with lora_task_id")
+    if (p.lora_weights is None) != (p.lora_config is None):
+        missing = "lora_config" if p.lora_config is None else "lora_weights"
+        raise ValueError(f"parameters.{missing}: lora_weights and lora_config go together")
+    if p.lora_weights is None:
+        return None
+    if p.lora_task_id is None:
+        raise ValueError("parameters.lora_task_id: lora_weights and lora_config need the task id they belong to")
+    return decode_floats(p.lora_weights, "parameters.lora_weights"), np.array(p.lora_config, dtype=np.int64)
 
 
 def draft_tokens(p: InferParameters, limits: ServedLimits) -> DraftTokens | None:

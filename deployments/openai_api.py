@@ -15,6 +15,7 @@ from deployments import mindie
 from deployments.errors import APIError
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from deployments.tool_calls import message_tool_calls, parse_tool_calls, template_has_tool_syntax, tools_grammar
+from engine.lora import LoraRef
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput, TokenLogprob
 from engine.request import GenerationRequest
 from sampling import SamplingParams
@@ -59,9 +60,12 @@ class Choice:
 
 class OpenAIFrontend:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, served_model_name: str, vocab_size: int,
-                 max_model_len: int, max_iter_times: int, finish_reasons: str = "openai") -> None:
+                 max_model_len: int, max_iter_times: int, finish_reasons: str = "openai",
+                 adapters: dict[str, LoraRef] | None = None) -> None:
+        """``adapters``: the LoRA adapters served by name; ``model`` picks one."""
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
+        self.adapters = adapters or {}
         self.vocab_size = vocab_size
         self.max_iter_times = max_iter_times
         # SPEC §2: the prompt may use what the model's length leaves after max_iter_times. A cap
@@ -73,13 +77,23 @@ class OpenAIFrontend:
 
     # ---- requests in -------------------------------------------------------------------
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
-            raise APIError(404, f"model: {name!r} is not served here; this server serves "
-                                f"{self.served_model_name!r}", "model", "model_not_found")
+    def check_model(self, name: str | None) -> LoraRef | None:
+        """The adapter ``model`` names, None for the base model; a 404 for a name not served."""
+        if name is None or name == self.served_model_name:
+            return None
+        if name in self.adapters:
+            return self.adapters[name]
+        served = ", ".join(repr(n) for n in (self.served_model_name, *self.adapters))
+        raise APIError(404, f"model: {name!r} is not served here; this server serves {served}", "model",
+                       "model_not_found")
+
+    def model_name(self, choices: list[Choice]) -> str:
+        """The ``model`` of a response: the adapter's name, or the base model's."""
+        lora = choices[0].request.lora
+        return lora.name if lora is not None else self.served_model_name
 
     def chat_choices(self, body: ChatCompletionRequest, request_id: str, deadline: float) -> list[Choice]:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         grammar = self._chat_grammar(body)
         messages = [m.for_template() for m in body.messages]
         # Tools are shown to the model only when it may call them (tool_choice "none" hides them).
@@ -92,7 +106,7 @@ class OpenAIFrontend:
                            "context_length_exceeded")
         params = self._params(body, (body.top_logprobs or 0) if body.logprobs else None, grammar=grammar)
         request = GenerationRequest(f"{request_id}-0", prompt_ids, params, body.priority, deadline, body.n,
-                                    prompt_lookup=body.prompt_lookup)
+                                    prompt_lookup=body.prompt_lookup, lora=lora)
         return [Choice(j, 0, len(prompt_ids), request, may_call_tools=tools is not None) for j in range(body.n)]
 
     def _chat_grammar(self, body: ChatCompletionRequest) -> Grammar | None:
@@ -128,7 +142,7 @@ class OpenAIFrontend:
     def completion_choices(self, body: CompletionRequest, request_id: str, deadline: float) -> list[Choice]:
         """best_of (or n) choices per prompt, indexed prompt × best_of + j until ``best``
         picks the n returned."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         made = body.best_of or body.n
         # best_of ranks by logprob: the engine reports them even when the caller asked for none.
         logprobs = body.logprobs if body.logprobs is not None else (0 if made > body.n else None)
@@ -143,7 +157,7 @@ class OpenAIFrontend:
             prompt_ids = self._prompt_ids(body, i, prompt)
             prefix = "" if not body.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
             request = GenerationRequest(f"{request_id}-{i}", prompt_ids, params, body.priority, deadline, made,
-                                        prompt_lookup=body.prompt_lookup)
+                                        prompt_lookup=body.prompt_lookup, lora=lora)
             choices += [Choice(i * made + j, i, len(prompt_ids), request, prefix, echo_logprobs, scores_only)
                         for j in range(made)]
         return choices
@@ -225,7 +239,7 @@ class OpenAIFrontend:
                     "logprobs": self.chat_logprobs(generated_logprobs(c, c.outputs)),
                     "finish_reason": self.finish_reason(c.final, c.scores_only, called)}
 
-        return {"id": response_id, "object": "chat.completion", "created": created, "model": self.served_model_name,
+        return {"id": response_id, "object": "chat.completion", "created": created, "model": self.model_name(choices),
                 "choices": [choice(c) for c in choices], "usage": self.usage(choices)}
 
     @staticmethod
@@ -247,7 +261,7 @@ class OpenAIFrontend:
                 return None
             return self.completion_logprobs(prompt_logprobs(c, c.outputs[0]) + generated_logprobs(c, c.outputs))
 
-        return {"id": response_id, "object": "text_completion", "created": created, "model": self.served_model_name,
+        return {"id": response_id, "object": "text_completion", "created": created, "model": self.model_name(made),
                 "choices": [{"index": c.index, "text": c.prefix + c.text + suffix, "logprobs": logprobs(c),
                              "finish_reason": self.finish_reason(c.final, c.scores_only)} for c in returned],
                 "usage": self.usage(made)}

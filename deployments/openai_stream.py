@@ -89,7 +89,7 @@ class StreamWriter:
 
     def _chunk(self, choices: list[dict], **usage) -> str:
         body = {"id": self.response_id, "object": self.object_name, "created": self.created,
-                "model": self.front.served_model_name, "choices": choices}
+                "model": self.front.model_name(self.choices), "choices": choices}
         if self.include_usage:
             body["usage"] = usage.get("usage")
         return sse_event(body)

@@ -12,7 +12,7 @@ validators refuse, except for the rules no JSON Schema can say (docs/api.md list
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -28,6 +28,7 @@ class Served:
 
     name: str
     info: ModelInfo
+    adapter_names: list[str] = field(default_factory=list)  # LoRA adapters served by name
     embedding_name: str | None = None
     embedding_vocab: int | None = None
 
@@ -149,18 +150,19 @@ def integer_pattern(maximum: int) -> str:
 def add_model_limits(schema: dict, served: Served) -> None:
     """The served names as the only values of ``model``, and the limits of the models' vocabularies."""
     schemas, info = schema["components"]["schemas"], served.info
-    names = [served.name] + ([served.embedding_name] if served.embedding_name else [])
+    generators = [served.name, *served.adapter_names]
+    names = generators + ([served.embedding_name] if served.embedding_name else [])
     for parameter in schema["paths"]["/v1/models/{model_id}"]["get"]["parameters"]:
         parameter["schema"]["enum"] = names
     for request in ("ChatCompletionRequest", "CompletionRequest"):
-        schemas[request]["properties"]["model"]["enum"] = [served.name]
+        schemas[request]["properties"]["model"]["enum"] = generators
     if served.embedding_name is not None:
         schemas["EmbeddingRequest"]["properties"]["model"]["anyOf"][0]["enum"] = [served.embedding_name]
         _cap(schemas["EmbeddingRequest"]["properties"]["input"], "maximum", served.embedding_vocab - 1)
     last_id = info.vocab_size - 1
     infer, parameters = schemas["InferTokenRequest"]["properties"], schemas["InferParameters"]["properties"]
     for node in (infer["input_id"], parameters["stop_words"], parameters["bad_words"], parameters["end_id"],
-                 schemas["CompletionRequest"]["properties"]["prompt"]):
+                 parameters["draft_input_ids"], schemas["CompletionRequest"]["properties"]["prompt"]):
         _cap(node, "maximum", last_id)
     for key in ("minItems", "maxItems"):
         _cap(parameters["embedding_bias"], key, info.vocab_size)
@@ -168,6 +170,6 @@ def add_model_limits(schema: dict, served: Served) -> None:
         schemas[request]["properties"]["logit_bias"]["anyOf"][0]["propertyNames"] = {
             "pattern": integer_pattern(last_id)}
     for request in ("ChatCompletionRequest", "CompletionRequest"):
-        for field in ("max_tokens", "max_completion_tokens"):
-            if field in schemas[request]["properties"]:
-                _cap(schemas[request]["properties"][field], "maximum", info.max_iter_times)
+        for name in ("max_tokens", "max_completion_tokens"):
+            if name in schemas[request]["properties"]:
+                _cap(schemas[request]["properties"][name], "maximum", info.max_iter_times)

@@ -15,6 +15,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.kv_connector import ObjectStoreConnector, PrefillReply
 from deployments.liveness import Accepted, Heartbeat, LivenessRouter, heartbeats, replica_id
+from deployments.lora_store import LoraCache
 from deployments.tracing import KVTransfer
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -42,8 +43,10 @@ class ModelInfo:
 
 
 class _EngineServer:
-    def __init__(self, engine_config: EngineConfig) -> None:
+    def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int) -> None:
+        """``lora_store``: the app's LoraStore, where this replica fetches adapters it lacks."""
         self.engine = AsyncEngine(engine_config)
+        self.loras = LoraCache(lora_store, max_loras)
 
     def info(self) -> ModelInfo:
         inner = self.engine.engine
@@ -67,8 +70,8 @@ class _StreamingServer(_EngineServer):
     """A server whose calls stream tokens for a long time: it says so when it takes a call, and
     that it is alive while it has nothing to send."""
 
-    def __init__(self, engine_config: EngineConfig, heartbeat_s: float) -> None:
-        super().__init__(engine_config)
+    def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float) -> None:
+        super().__init__(engine_config, lora_store, max_loras)
         self.heartbeat_s = heartbeat_s
 
     async def _streamed(self, items: AsyncIterator) -> AsyncIterator:
@@ -84,27 +87,29 @@ class LLMServer(_StreamingServer):
     """Prefill and decode in one engine: small deployments, and the baseline for PD."""
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Accepted | Heartbeat | RequestOutput]:
-        async for item in self._streamed(self.engine.generate(request)):
+        lora = await self.loras.adapter(request.lora)
+        async for item in self._streamed(self.engine.generate(request, lora)):
             yield item
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 class PrefillServer(_EngineServer):
-    def __init__(self, engine_config: EngineConfig) -> None:
-        super().__init__(engine_config)
+    def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int) -> None:
+        super().__init__(engine_config, lora_store, max_loras)
         self.kv = ObjectStoreConnector()
 
     async def prefill(self, request: GenerationRequest) -> AsyncIterator:
         """P's reply, then, unless the first token ended every choice, the prompt's KV (the
         connector's items: deployments/kv_connector.py)."""
-        for item in self.kv.send(await self.engine.prefill(request)):
+        lora = await self.loras.adapter(request.lora)
+        for item in self.kv.send(await self.engine.prefill(request, lora=lora)):
             yield item
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
 class DecodeServer(_StreamingServer):
-    def __init__(self, engine_config: EngineConfig, heartbeat_s: float) -> None:
-        super().__init__(engine_config, heartbeat_s)
+    def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float) -> None:
+        super().__init__(engine_config, lora_store, max_loras, heartbeat_s)
         self.kv = ObjectStoreConnector()
 
     async def decode(self, request: GenerationRequest, reply: PrefillReply
@@ -117,7 +122,8 @@ class DecodeServer(_StreamingServer):
             yield item
 
     async def _decoded(self, request: GenerationRequest, reply: PrefillReply) -> AsyncIterator:
-        async for item in self.engine.decode(request, reply.handoff):
+        lora = await self.loras.adapter(request.lora)
+        async for item in self.engine.decode(request, reply.handoff, lora):
             if not isinstance(item, KVWanted):
                 yield item
                 continue

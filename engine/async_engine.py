@@ -19,6 +19,7 @@ from typing import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.lora import LoraAdapter
 from engine.outputs import KVWanted, PrefillResult, RequestOutput
 from engine.request import PRIORITY_MAX, PRIORITY_MIN, GenerationRequest, Mode
 
@@ -66,23 +67,26 @@ class AsyncEngine:
 
     # ---- the server's side -------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; the last one has ``finished=True``."""
-        async for output in self._submit(request, Mode.GENERATE, None):
+    async def generate(self, request: GenerationRequest, lora: LoraAdapter | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; the last one has ``finished=True``. ``lora``: the weights
+        of the adapter the request names, in each of these calls."""
+        async for output in self._submit(request, Mode.GENERATE, None, lora):
             yield output
 
-    async def prefill(self, request: GenerationRequest, kv_export_start: int = 0) -> list[RequestOutput]:
+    async def prefill(self, request: GenerationRequest, kv_export_start: int = 0, lora: LoraAdapter | None = None
+                      ) -> list[RequestOutput]:
         """Run the prompt; one output per choice, by index: ``finished``, or carrying ``prefill``
         (the same result for every choice that goes on to decode)."""
-        outputs = [output async for output in self._submit(request, Mode.PREFILL, None, kv_export_start)]
+        outputs = [output async for output in self._submit(request, Mode.PREFILL, None, lora, kv_export_start)]
         return sorted(outputs, key=lambda output: output.index)
 
-    async def decode(self, request: GenerationRequest, prefill: PrefillResult
+    async def decode(self, request: GenerationRequest, prefill: PrefillResult, lora: LoraAdapter | None = None
                      ) -> AsyncIterator[RequestOutput | KVWanted]:
         """Import P's KV and stream the tokens after the first. When ``prefill.kv.data`` is None,
         the first item is a ``KVWanted``, once the request holds blocks for the KV: fetch the
         bytes then and hand them over with ``receive_kv``."""
-        async for output in self._submit(request, Mode.DECODE, prefill):
+        async for output in self._submit(request, Mode.DECODE, prefill, lora):
             yield output
 
     def receive_kv(self, request_id: str, data) -> None:
@@ -117,15 +121,15 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     async def _submit(self, request: GenerationRequest, mode: Mode, prefill: PrefillResult | None,
-                      kv_export_start: int = 0) -> AsyncIterator[RequestOutput]:
+                      lora: LoraAdapter | None, kv_export_start: int = 0) -> AsyncIterator[RequestOutput]:
         """The request's outputs until every choice has ended (or, PREFILL, gone on to D)."""
-        self.engine.validate(request, mode, prefill)
+        self.engine.validate(request, mode, prefill, lora)
         outputs: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request.request_id in self._streams:
                 raise ValueError(f"request_id: {request.request_id!r} is already running")
             self._streams[request.request_id] = (asyncio.get_running_loop(), outputs)
-        self._commands.put(("add", request, mode, prefill, kv_export_start))
+        self._commands.put(("add", request, mode, prefill, kv_export_start, lora))
         self._wake.set()
         remaining = {c.index for c in prefill.choices} if prefill is not None else set(range(request.n))
         if request.params.beam_width > 1:
@@ -180,9 +184,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request, mode, prefill, kv_export_start = command
+                _, request, mode, prefill, kv_export_start, lora = command
                 try:
-                    self.engine.add_request(request, mode, prefill, kv_export_start)
+                    self.engine.add_request(request, mode, prefill, kv_export_start, lora)
                 except Exception as error:
                     self._deliver(request.request_id, error)
             elif command[0] == "kv":

@@ -4,7 +4,7 @@ Pure bookkeeping, no tensors: the model runner owns the memory, this class owns 
 
 Content addressing (prefix caching, as vLLM v1 and nano-vllm do it): a *full* block's key is
 a hash chained over the previous block's key, the block's token ids and the sequence's KV
-namespace (model, dtype; later a LoRA adapter). Two sequences whose first k blocks have the
+namespace (model, dtype, a p-tuning table, a LoRA adapter). Two sequences whose first k blocks have the
 same keys hold the same KV there, so the second one takes the first one's blocks instead of
 computing them. A block is in one of three states:
 

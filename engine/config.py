@@ -32,12 +32,13 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # prompt lookup's drafts per step
     prompt_lookup_min: int = 2  # the shortest n-gram matched
     prompt_lookup_max: int = 4  # the longest, tried first
+    max_lora_rank: int = 16  # the largest LoRA rank a request's adapter may have (engine/lora.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_iter_times", "num_speculative_tokens",
-                     "prompt_lookup_min"):
+                     "prompt_lookup_min", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:

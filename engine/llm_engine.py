@@ -32,12 +32,14 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_transfer import KVPayload, check_compatible
 from engine.loader import load_model
+from engine.lora import LoraAdapter, ModelShape
 from engine.model_runner import ModelRunner, StepResult, kv_pool_blocks
 from engine.outputs import (ABORT, EOS, LENGTH, STOP, TIMEOUT, ChoiceStart, PrefillResult, RequestOutput,
                             TokenLogprob)
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.speculative import Drafter, accepted_length
+from engine.draft_steps import DraftSteps
+from engine.speculative import Drafter
 from sampling import SamplerOutput, SamplingParams, SamplingRow
 from sampling.grammar import GrammarCompiler, GrammarDeadEnd, Matcher, MatcherState
 from sampling.params import MAX_SEED, choice_seed
@@ -53,7 +55,7 @@ class Sampled(NamedTuple):
     logits: np.ndarray | None
 
 
-class LLMEngine(BeamSteps):
+class LLMEngine(BeamSteps, DraftSteps):
     def __init__(self, config: EngineConfig) -> None:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
@@ -75,6 +77,7 @@ class LLMEngine(BeamSteps):
         self._kv_namespace = f"{self.loaded.model_id}:{self.dtype}".encode()
         self._seqs: dict[tuple[str, int], Sequence] = {}
         self._detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
+        self.lora_shape = ModelShape.of(self.loaded.spec)  # what an adapter must fit
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.loaded.eos_token_ids)
         self._matchers: dict[tuple[str, int], MatcherState] = {}  # per constrained choice, made on first use
         self._arrivals = itertools.count()
@@ -87,8 +90,9 @@ class LLMEngine(BeamSteps):
     # ---- requests in -------------------------------------------------------------------
 
     def validate(self, request: GenerationRequest, mode: Mode = Mode.GENERATE,
-                 prefill: PrefillResult | None = None) -> None:
-        """Raise ValueError (message starting with the field's name) if the request can never run."""
+                 prefill: PrefillResult | None = None, lora: LoraAdapter | None = None) -> None:
+        """Raise ValueError (message starting with the field's name) if the request can never run.
+        ``lora``: the weights of the request's adapter (``request.lora`` names it)."""
         table = request.prompt_table
         prompt_ids_end = self.vocab_size + (table.size if table is not None else 0)  # p-tuning ids past the vocabulary
         drafts = request.draft.token_ids if request.draft is not None else []
@@ -108,6 +112,10 @@ class LLMEngine(BeamSteps):
                 raise ValueError("prompt_logprobs: a prompt with p-tuning ids has no token to score at those ids")
         if request.draft is not None:
             self._validate_drafts(request)
+        if (request.lora is None) != (lora is None) or lora is not None and lora.ref != request.lora:
+            raise ValueError("lora: the engine must be given the weights of the adapter the request names")
+        if lora is not None:
+            lora.check(self.lora_shape, self.config.max_lora_rank)
         if request.prompt_lookup and (request.params.beam_width > 1 or request.params.grammar is not None):
             raise ValueError("prompt_lookup: beam search and grammars (response_format, tools) run without drafts")
         if len(request.resumed_output_ids) >= request.params.max_new_tokens:
@@ -129,27 +137,14 @@ class LLMEngine(BeamSteps):
         if request.params.beam_width > 1 and (request.n != 1 or request.resumed_output_ids):
             raise ValueError("beam_width: beam search runs one choice (n=1) and is never resumed")
 
-    def _validate_drafts(self, request: GenerationRequest) -> None:
-        draft, limit = request.draft, self.config.max_draft_tokens
-        if len(draft.token_ids) > limit:
-            raise ValueError(f"draft_input_ids: {len(draft.token_ids)} draft tokens, at most {limit} here "
-                             "(max_draft_tokens)")
-        if request.params.beam_width > 1 or request.params.grammar is not None:
-            raise ValueError("draft_input_ids: beam search and grammars run without drafts")
-        if draft.logits is not None:
-            if draft.logits.shape[1] != self.vocab_size:
-                raise ValueError(f"draft_logits: shape {list(draft.logits.shape)}, this model needs "
-                                 f"[draft tokens, {self.vocab_size}]")
-            if not np.isfinite(draft.logits).all():
-                raise ValueError("draft_logits: values must be finite")
-
     def add_request(self, request: GenerationRequest, mode: Mode = Mode.GENERATE,
-                    prefill: PrefillResult | None = None, kv_export_start: int = 0) -> None:
+                    prefill: PrefillResult | None = None, kv_export_start: int = 0,
+                    lora: LoraAdapter | None = None) -> None:
         """Queue a request. PREFILL mode exports the prompt's KV from token ``kv_export_start``
         on (the decode side holds the tokens before it). DECODE mode imports ``prefill.kv``; if
         its data is None, the request waits for it with its blocks held (``take_kv_wanted``,
-        ``receive_kv``)."""
-        self.validate(request, mode, prefill)
+        ``receive_kv``). ``lora``: the weights of the adapter ``request.lora`` names."""
+        self.validate(request, mode, prefill, lora)
         if request.request_id in {rid for rid, _ in self._seqs}:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         deadline = request.deadline or time.time() + self.config.default_timeout_s
@@ -161,7 +156,7 @@ class LLMEngine(BeamSteps):
             choices = [PendingChoice(j, choice_seed(base, j) if base else random.randint(1, MAX_SEED))
                        for j in range(request.n)]
         seq = Sequence(request, choices[0].seed, next(self._arrivals), mode, deadline, self._kv_namespace,
-                       choices[0].index)
+                       choices[0].index, lora)
         seq.pending_choices = choices[1:]
         seq.kv_export_start = kv_export_start
         if mode is Mode.DECODE:
@@ -261,47 +256,6 @@ class LLMEngine(BeamSteps):
             self.scheduler.commit(batch, [k - a for k, a in zip(batch.drafted, accepted)])
             outputs += self._postprocess(batch, result, repeats, accepted)
         return outputs
-
-    def _propose_drafts(self) -> None:
-        """Each sequence about to decode gets this step's drafts (engine/speculative.py): one whose
-        last token is all it has left to compute, or one that waits for P's KV and its first step."""
-        for seq in self._seqs.values():
-            left = seq.num_tokens - seq.num_computed_tokens
-            decoding = seq.num_output_tokens > 0 and (left == 1 or seq.pending_kv is not None)
-            seq.step_drafts = self.drafter.propose(seq, self._draft_room(seq)) if decoding else None
-
-    def _draft_room(self, seq: Sequence) -> int:
-        """Drafts worth verifying: the tokens ``seq`` may still produce, less the one every step makes."""
-        own = seq.num_output_tokens - (1 if seq.mode is Mode.DECODE else 0)  # as _finish_reason counts
-        left = min(seq.params.max_new_tokens - seq.num_output_tokens, self.config.max_iter_times - own,
-                   self.max_model_len - seq.num_tokens)
-        return left - 1
-
-    def _draft_rows(self, seq: Sequence, k: int) -> list[SamplingRow]:
-        """The k + 1 rows of a step that verifies k drafts: row j samples after the drafts before
-        it, as plain decoding would after those tokens; a row with the draft's probabilities
-        verifies its draft by the speculative-sampling rule in the sampler."""
-        drafts = seq.step_drafts
-        rows = []
-        for j in range(k + 1):
-            row = self._sampling_row(seq, seq.seed)
-            row.output_ids = seq.output_ids + drafts.token_ids[:j]
-            if j < k and drafts.probs is not None:
-                row.draft_token, row.draft_probs = drafts.token_ids[j], drafts.probs[j]
-            rows.append(row)
-        return rows
-
-    def _accepted_drafts(self, batch: ScheduledBatch, result: StepResult, repeats: list[int]) -> list[int]:
-        """Per entry, how many of its drafts stand (engine/speculative.py), counted for the metrics."""
-        accepted, row = [], 0
-        for (seq, _), drafted, repeat in zip(batch.entries, batch.drafted, repeats):
-            count = 0
-            if drafted:
-                count = accepted_length(result.sampled.token_ids[row:row + drafted], seq.step_drafts.token_ids)
-                self.drafter.record(drafted, count)
-            accepted.append(count)
-            row += repeat
-        return accepted
 
     def _sampled_choices(self, seq: Sequence) -> list[PendingChoice]:
         """The choices whose next token this sequence's last logits give: its own, and at the
@@ -564,23 +518,31 @@ class LLMEngine(BeamSteps):
             finals[rid] = [last[i] for i in sorted(last)]
         return finals
 
-    def generate_choices(self, requests: list[GenerationRequest]) -> dict[str, list[RequestOutput]]:
-        """Run requests together to the end; each request's last output per choice."""
+    def generate_choices(self, requests: list[GenerationRequest], loras: list[LoraAdapter] = ()
+                         ) -> dict[str, list[RequestOutput]]:
+        """Run requests together to the end; each request's last output per choice. ``loras``:
+        the adapters the requests name."""
         for request in requests:
-            self.add_request(request)
+            self.add_request(request, lora=_named(request, loras))
         return self.final_choices(self.run_to_completion())
 
-    def generate(self, requests: list[GenerationRequest]) -> dict[str, RequestOutput]:
+    def generate(self, requests: list[GenerationRequest], loras: list[LoraAdapter] = ()) -> dict[str, RequestOutput]:
         """Run requests together to the end; each request's last output (its first choice's)."""
-        return {rid: outs[0] for rid, outs in self.generate_choices(requests).items()}
+        return {rid: outs[0] for rid, outs in self.generate_choices(requests, loras).items()}
 
-    def prefill(self, requests: list[GenerationRequest]) -> dict[str, RequestOutput]:
+    def prefill(self, requests: list[GenerationRequest], loras: list[LoraAdapter] = ()) -> dict[str, RequestOutput]:
         """PREFILL mode to the end; each request's first choice's output (``prefill`` set when it goes on)."""
         for request in requests:
-            self.add_request(request, Mode.PREFILL)
+            self.add_request(request, Mode.PREFILL, lora=_named(request, loras))
         return {rid: outs[0] for rid, outs in self.final_choices(self.run_to_completion()).items()}
 
-    def decode(self, pairs: list[tuple[GenerationRequest, PrefillResult]]) -> dict[str, RequestOutput]:
+    def decode(self, pairs: list[tuple[GenerationRequest, PrefillResult]], loras: list[LoraAdapter] = ()
+               ) -> dict[str, RequestOutput]:
         for request, prefill in pairs:
-            self.add_request(request, Mode.DECODE, prefill)
+            self.add_request(request, Mode.DECODE, prefill, lora=_named(request, loras))
         return {rid: outs[0] for rid, outs in self.final_choices(self.run_to_completion()).items()}
+
+
+def _named(request: GenerationRequest, loras: list[LoraAdapter]) -> LoraAdapter | None:
+    """The adapter among ``loras`` that ``request`` names, if it names one."""
+    return next((a for a in loras if a.ref == request.lora), None) if request.lora is not None else None

@@ -86,20 +86,36 @@ class DecoderLayer(nn.Module):
         self.split = (q_size, kv_size, kv_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, lora=None) -> torch.Tensor:
+        """``lora``: the step's LoRA deltas for this layer (engine/lora.py LayerLora), added to each map's output."""
         spec = self.spec
         n = x.shape[0]
-        q, k, v = linear(self.input_norm(x), self.qkv_proj.weight, self.qkv_proj.bias).split(self.split, dim=-1)
+        h = self.input_norm(x)
+        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias)
+        if lora is not None:
+            lora.add(("q", "k", "v"), h, qkv, self.split)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.reshape(n, spec.num_heads, spec.head_dim)  # [N, Hq, D]
         k = k.reshape(n, spec.num_kv_heads, spec.head_dim)  # [N, Hkv, D]
         v = v.reshape(n, spec.num_kv_heads, spec.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        o = paged_attention(q, k, v, k_cache, v_cache, attn, self.window)  # [N, Hq, D]
-        x = x + linear(o.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
-        gate, up = linear(self.post_norm(x), self.gate_up_proj.weight, self.gate_up_proj.bias).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        o = paged_attention(q, k, v, k_cache, v_cache, attn, self.window).reshape(n, -1)  # [N, Hq * D]
+        attended = linear(o, self.o_proj.weight, self.o_proj.bias)
+        if lora is not None:
+            lora.add(("o",), o, attended, (spec.hidden_size,))
+        x = x + attended
+        h = self.post_norm(x)
+        gate_up = linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        if lora is not None:
+            lora.add(("gate", "up"), h, gate_up, (spec.intermediate_size,) * 2)
+        gate, up = gate_up.chunk(2, dim=-1)
+        m = F.silu(gate) * up
+        down = linear(m, self.down_proj.weight, self.down_proj.bias)
+        if lora is not None:
+            lora.add(("down",), m, down, (spec.hidden_size,))
+        return x + down
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -132,10 +148,11 @@ class DecoderModel(nn.Module):
         return self._rope_cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch,
-                kv_cache: torch.Tensor, embedding_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor:
+                kv_cache: torch.Tensor, embedding_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                lora=None) -> torch.Tensor:
         """input_ids, positions [N]; kv_cache [L, 2, S, Hkv, D]; ``embedding_rows`` (rows [M],
-        embeddings [M, H]) replace those rows' embeddings (p-tuning). Returns hidden states [N, H]."""
+        embeddings [M, H]) replace those rows' embeddings (p-tuning); ``lora``: the step's LoRA
+        deltas (engine/lora.py LoraStep). Returns hidden states [N, H]."""
         cos_table, sin_table = self.rope_tables()
         cos, sin = cos_table[positions], sin_table[positions]  # [N, D]
         x = self.embed_tokens(input_ids)
@@ -143,7 +160,7 @@ class DecoderModel(nn.Module):
             rows, embeddings = embedding_rows
             x[rows] = embeddings.to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn, kv_cache[i, 0], kv_cache[i, 1])
+            x = layer(x, cos, sin, attn, kv_cache[i, 0], kv_cache[i, 1], lora.layer(i) if lora is not None else None)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

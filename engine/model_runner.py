@@ -18,6 +18,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_transfer import KVMeta, numpy_to_tensor, tensor_to_numpy
 from engine.loader import LoadedModel
+from engine.lora import LoraStacks, LoraStep
 from engine.outputs import TokenLogprob
 from engine.request import Sequence
 from engine.scheduler import ScheduledBatch
@@ -82,6 +83,7 @@ class ModelRunner:
         # Step inputs, allocated once: [max tokens per step] each, filled from one host array.
         self._inputs = torch.zeros(3, config.max_num_batched_tokens, dtype=torch.int64)  # ids, positions, slots
         self._inputs_np = self._inputs.numpy()
+        self._lora_stacks: LoraStacks | None = None  # the last steps' adapters, stacked (engine/lora.py)
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:
@@ -151,7 +153,7 @@ class ModelRunner:
         replaced = None
         if table_rows:
             replaced = (torch.tensor(table_rows, device=self.device), torch.cat(table_embeddings).to(self.device))
-        hidden = model(ids, positions, attn, self.kv_cache, replaced)  # [N, H]
+        hidden = model(ids, positions, attn, self.kv_cache, replaced, self._lora_step(batch, flat))  # [N, H]
         scores = [PromptScores(seq, first, self._score(hidden[row:row + count], seq.token_ids[first:first + count],
                                                        seq.params.prompt_logprobs))
                   for seq, row, first, count in to_score]
@@ -165,6 +167,24 @@ class ModelRunner:
         if any(row.params.return_generation_logits or row.params.beam_width > 1 for row in rows):
             kept = logits[:, :vocab].to("cpu", torch.float32, copy=True)
         return StepResult(self._sample(logits, rows), scores, context, kept)
+
+    def _lora_step(self, batch: ScheduledBatch, num_rows: int) -> LoraStep | None:
+        """The step's LoRA deltas: each entry's rows get its sequence's adapter (engine/lora.py);
+        None when no entry has one. The stacked weights are kept while the adapters stay the same."""
+        adapters = {id(seq.lora): seq.lora for seq, _ in batch.entries if seq.lora is not None}
+        if not adapters:
+            return None
+        ordered = sorted(adapters.values(), key=lambda a: (a.ref.name, a.ref.digest))
+        if self._lora_stacks is None or self._lora_stacks.adapters != ordered:
+            self._lora_stacks = LoraStacks(ordered, self.loaded.dtype, self.device)
+        index = {id(a): j for j, a in enumerate(ordered)}
+        row_adapter = np.full(num_rows, -1, dtype=np.int64)
+        flat = 0
+        for seq, n in batch.entries:
+            if seq.lora is not None:
+                row_adapter[flat:flat + n] = index[id(seq.lora)]
+            flat += n
+        return LoraStep(self._lora_stacks, torch.from_numpy(row_adapter).to(self.device))
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """The sampler over the rows that draw a token; a beam's row draws none (engine/beam_search.py

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import torch
 
+from engine.lora import LoraAdapter, LoraRef
 from sampling import SamplingParams
 
 PRIORITY_MIN, PRIORITY_MAX = 1, 5  # 1 is served first
@@ -61,6 +62,7 @@ class GenerationRequest:
     prompt_table: PromptTable | None = None  # p-tuning: prompt ids past the vocabulary index it
     draft: DraftTokens | None = None  # speculative decoding with the caller's drafts
     prompt_lookup: bool | None = None  # speculative decoding by prompt lookup; None: the engine's default
+    lora: LoraRef | None = None  # the LoRA adapter it runs with (engine/lora.py); the engine is given its weights
 
     def __post_init__(self) -> None:
         if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
@@ -112,7 +114,7 @@ class Sequence:
     """
 
     def __init__(self, request: GenerationRequest, seed: int, arrival_index: int, mode: Mode,
-                 deadline: float, kv_namespace: bytes = b"", index: int = 0) -> None:
+                 deadline: float, kv_namespace: bytes = b"", index: int = 0, lora: LoraAdapter | None = None) -> None:
         self.request_id = request.request_id
         self.index = index  # choice index within the request
         self.params = request.params
@@ -138,9 +140,11 @@ class Sequence:
         self.pending_choices: list[PendingChoice] = []  # forked once the prompt is computed
         self.kv_export_start = 0  # PREFILL mode: export the prompt's KV from this token on
         # The KV's content key: everything besides the tokens that changes a block's KV (the
-        # model and dtype, a p-tuning table's digest; a LoRA adapter when that exists).
+        # model and dtype, a p-tuning table's digest, a LoRA adapter's digest).
         self.prompt_table = request.prompt_table
-        self.kv_namespace = kv_namespace + (request.prompt_table.digest if request.prompt_table else b"")
+        self.lora = lora
+        self.kv_namespace = (kv_namespace + (request.prompt_table.digest if request.prompt_table else b"")
+                             + (lora.ref.digest if lora is not None else b""))
         self.draft = request.draft
         self.prompt_lookup = request.prompt_lookup
         self.step_drafts = None  # StepDrafts the next step verifies (engine/speculative.py), set before each step

@@ -4,8 +4,8 @@ its ``n``; tool names are unique, a named ``tool_choice`` names one of them, a t
 answers an earlier call; a function's ``parameters`` and a ``structured_outputs.regex`` compile in
 the grammar engine, and grammars run without prompt lookup; on /infer_token, beam search's
 exclusions and limits, a p-tuning table that fills its shape and matches the model, logits within
-the server's size limit, draft tokens within the vocabulary and max_draft_tokens, and draft
-logits one row each.
+the server's size limit, draft tokens within the vocabulary and max_draft_tokens, draft logits
+one row each, and LoRA tensors that go together, fit the model, and task ids the app holds.
 Their 400s are dropped from the failures; every other failure stands."""
 
 import json
@@ -44,4 +44,5 @@ def _infer_token_relation(param: str, message: str) -> bool:
         "max_logits_floats" in message
     drafts = param.startswith("parameters.draft_logits") or \
         param == "parameters.draft_input_ids" and ("max_draft_tokens" in message or "vocabulary" in message)
-    return beams or table or logits or drafts
+    lora = param.startswith("parameters.lora_") or param == "lora"  # pairing, shapes against the model, ids not held
+    return beams or table or logits or drafts or lora
