@@ -4,9 +4,9 @@ Pure bookkeeping, no tensors: the model runner owns the memory, this class owns 
 
 Content addressing (prefix caching, as vLLM v1 and nano-vllm do it): a *full* block's key is
 a hash chained over the previous block's key, the block's token ids and the sequence's KV
-namespace (model, dtype, a p-tuning table, a LoRA adapter). Two sequences whose first k blocks have the
-same keys hold the same KV there, so the second one takes the first one's blocks instead of
-computing them. A block is in one of three states:
+namespace (model, dtype, a p-tuning table, a LoRA adapter). Two sequences whose first k
+blocks have the same keys hold the same KV there, so the second one takes the first one's
+blocks instead of computing them. A block is in one of three states:
 
 - held: ``ref_count > 0``; shared by every sequence whose table lists it;
 - cached: ``ref_count == 0`` but keyed; reusable by a prefix hit until evicted. These are kept

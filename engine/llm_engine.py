@@ -12,6 +12,9 @@ A request with n choices runs as one sequence until its prompt is computed; then
 fork from it (blocks shared, the partial tail copied on write): one prefill for all n, and in
 PD one KV transfer. Their first tokens are sampled together from the prompt's last logits,
 each with its own seed (``sampling.params.choice_seed``).
+
+A decoding sequence may verify draft tokens in its step (engine/draft_steps.py), and a request
+may run with a LoRA adapter (engine/lora.py) in the same steps as requests without one.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from engine.beam_steps import BeamSteps
 from engine.block_manager import BlockCounts, BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.draft_steps import DraftSteps
 from engine.kv_transfer import KVPayload, check_compatible
 from engine.loader import load_model
 from engine.lora import LoraAdapter, ModelShape
@@ -38,7 +42,6 @@ from engine.outputs import (ABORT, EOS, LENGTH, STOP, TIMEOUT, ChoiceStart, Pref
                             TokenLogprob)
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.draft_steps import DraftSteps
 from engine.speculative import Drafter
 from sampling import SamplerOutput, SamplingParams, SamplingRow
 from sampling.grammar import GrammarCompiler, GrammarDeadEnd, Matcher, MatcherState
