@@ -176,3 +176,34 @@ def test_adapter_mistakes_name_the_field(model_dirs, adapters, tmp_path):
     (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "use_dora": true, "r": 2}')
     with pytest.raises(ValueError, match="use_dora"):
         from_peft("dora", tmp_path)
+
+
+def test_a_replica_keeps_max_loras_adapters_and_fetches_the_others_again():
+    import asyncio
+
+    from deployments.lora_store import LoraCache
+
+    adapters = {a.ref: a for a in (LoraAdapter.of(f"a{i}", {(0, "q"): (np.full((1, 4), i, np.float32),
+                                                                         np.ones((4, 1), np.float32))})
+                                   for i in range(3))}
+    fetched = []
+
+    class Store:  # the LoraStore handle's shape: store.get.remote(ref) is awaited
+        class get:
+            @staticmethod
+            async def remote(ref):
+                fetched.append(ref.name)
+                return adapters.get(ref)
+
+    async def scenario():
+        cache = LoraCache(Store, max_loras=2)
+        refs = list(adapters)
+        for ref in (refs[0], refs[1], refs[0], refs[2], refs[0], refs[1]):
+            assert (await cache.adapter(ref)) is adapters[ref]
+        assert await cache.adapter(None) is None
+        with pytest.raises(ValueError, match="^lora: adapter 'gone' is no longer held"):
+            await cache.adapter(LoraAdapter.of("gone", {}).ref)
+        return cache.fetches
+
+    # a0, a1 fetched; a0 hit; a2 fetched (a1, least recently used, forgotten); a0 hit; a1 fetched again
+    assert asyncio.run(scenario()) == 4 and fetched == ["a0", "a1", "a2", "a1", "gone"]
