@@ -66,5 +66,8 @@ def _embedder(args: AppArgs):
 
 
 def _lora_store(args: AppArgs):
-    """The app's LoRA adapters (deployments/lora_store.py), shared by every engine replica."""
+    """The app's LoRA adapters (deployments/lora_store.py), shared by every engine replica; none
+    without enable_lora (one process fewer, and LoRA fields are refused)."""
+    if not args.enable_lora:
+        return None
     return LoraStore.bind(args.model, args.lora_directories, args.max_lora_rank, args.max_lora_tasks)

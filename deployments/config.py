@@ -54,6 +54,8 @@ class AppArgs(BaseModel):
     num_speculative_tokens: int = Field(4, gt=0, description="prompt lookup: drafts per step")
     prompt_lookup_min: int = Field(2, gt=0, description="prompt lookup: the shortest n-gram matched")
     prompt_lookup_max: int = Field(4, gt=0, description="prompt lookup: the longest n-gram, tried first")
+    enable_lora: bool = Field(False, description="serve LoRA adapters (vLLM's --enable-lora): the app gets a "
+                              "LoraStore; lora_modules turns it on")
     lora_modules: str | None = Field(None, description="PEFT LoRA adapter directories served by name, "
                                      "'name=DIR,name2=DIR2' (vLLM's form); each name is a model id on /v1")
     max_loras: int = Field(8, gt=0, description="LoRA adapters each P, D or colocated replica keeps (least "
@@ -72,7 +74,8 @@ class AppArgs(BaseModel):
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError("prompt_lookup_max: must be >= prompt_lookup_min")
-        self.lora_directories  # noqa: B018 - a malformed lora_modules stops the build here
+        if self.lora_directories:  # a malformed lora_modules stops the build here
+            self.enable_lora = True
         return self
 
     @property

@@ -173,7 +173,8 @@ class Ingress:
         if p.lora_task_id is None:
             return None
         if self.lora_store is None:
-            raise ValueError("parameters.lora_task_id: this application serves no LoRA adapters")
+            raise ValueError("parameters.lora_task_id: this application serves no LoRA adapters (start it with "
+                             "enable_lora=true)")
         if tensors is None:
             ref = await self.lora_store.task.remote(p.lora_task_id)
             if ref is None:

@@ -207,3 +207,16 @@ def test_a_replica_keeps_max_loras_adapters_and_fetches_the_others_again():
 
     # a0, a1 fetched; a0 hit; a2 fetched (a1, least recently used, forgotten); a0 hit; a1 fetched again
     assert asyncio.run(scenario()) == 4 and fetched == ["a0", "a1", "a2", "a1", "gone"]
+
+
+def test_lora_modules_in_the_app_args():
+    from pydantic import ValidationError
+
+    from deployments.config import AppArgs
+
+    args = AppArgs(lora_modules="style=/a, qv=/b")
+    assert args.enable_lora and args.lora_directories == {"style": "/a", "qv": "/b"}
+    assert not AppArgs().enable_lora
+    for bad in ("style", "style=/a,style=/b", "=/a"):
+        with pytest.raises(ValidationError, match="lora_modules"):
+            AppArgs(lora_modules=bad)

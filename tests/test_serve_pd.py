@@ -369,3 +369,10 @@ def test_draft_mistakes_name_the_field(base_url, parameters, param):
     body = {"input_id": PROMPTS[0], "parameters": {"max_new_tokens": 3, **parameters}}
     response = httpx.post(f"{base_url}/pd/infer_token", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_lora_fields_need_an_app_with_enable_lora(base_url):
+    response = httpx.post(f"{base_url}/pd/infer_token", json={"input_id": PROMPTS[0], "parameters": {
+        "max_new_tokens": 2, "lora_task_id": 3}}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "parameters.lora_task_id"
+    assert "enable_lora" in response.json()["error"]["message"]
