@@ -3,9 +3,10 @@ replica's own least-recently-used cache (engine/lora.py has what an adapter is).
 
 - ``LoraStore`` (a deployment, one replica, no CPU reserved) holds the app's adapters: the named
   ones (AppArgs ``lora_modules``, PEFT directories read at start) and those sent on /infer_token
-  in TensorRT-LLM's form, by task id. A task id keeps its adapter until ``max_lora_tasks`` newer
-  ones have come (the seed's "the oldest LoRA will be evicted"); only then, or for an id never
-  given, is a request with the id alone refused as not cached. The ingress puts adapters in
+  in TensorRT-LLM's form, by task id. A task id keeps its adapter until ``max_lora_tasks`` other
+  tasks have been used since it last was (the seed's "the oldest LoRA will be evicted", oldest by
+  last use); only then, or for an id never given, is a request with the id alone refused as not
+  cached. The ingress puts adapters in
   and resolves names and ids to ``LoraRef``s; requests carry only the ref.
 - ``LoraCache`` is a P, D or colocated replica's: up to ``max_loras`` adapters, fetched from the
   store on a miss, the least recently used forgotten first (a running request keeps its own
