@@ -28,7 +28,7 @@ from engine.lora import LoraAdapter, LoraRef, ModelShape, from_peft
 class LoraStore:
     def __init__(self, model: str, modules: dict[str, str], max_rank: int, max_tasks: int) -> None:
         self._shape = ModelShape.of(model_spec(AutoConfig.from_pretrained(resolve_model_dir(model))))
-        self.max_rank, self.max_tasks = max_rank, max_tasks
+        self.max_tasks = max_tasks
         self.named: dict[str, LoraAdapter] = {}
         for name, directory in modules.items():
             adapter = from_peft(name, directory)
@@ -53,8 +53,8 @@ class LoraStore:
         return adapter.ref
 
     def put_task(self, task_id: int, adapter: LoraAdapter) -> LoraRef:
-        """Hold ``adapter`` for ``task_id`` (replacing what it had), forgetting the oldest past max_lora_tasks."""
-        adapter.check(self._shape, self.max_rank)
+        """Hold ``adapter`` for ``task_id`` (replacing what it had), forgetting the oldest past max_lora_tasks.
+        The ingress has checked it against the model (with the field named); each engine checks it again."""
         self.tasks[task_id] = adapter
         self.tasks.move_to_end(task_id)
         while len(self.tasks) > self.max_tasks:

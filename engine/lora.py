@@ -78,10 +78,6 @@ class LoraAdapter:
     def __getstate__(self) -> dict:  # sent between processes without the engine's tensors
         return {**self.__dict__, "_memo": {}}
 
-    @property
-    def rank(self) -> int:
-        return max(a.shape[0] for a, _ in self.weights.values())
-
     def check(self, shape: ModelShape, max_rank: int, where: str = "lora") -> None:
         """Raise ValueError if the adapter does not fit the model or the rank limit (checked once each)."""
         fit = ("fits", shape.num_layers, tuple(sorted(shape.dims.items())), max_rank)
