@@ -24,6 +24,7 @@ class Result:
     itl: list[float] = field(default_factory=list)  # seconds between consecutive tokens
     output_tokens: int = 0
     input_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # /infer_token: the streamed ids (a conversation's next turn)
 
     @property
     def ok(self) -> bool:
@@ -72,6 +73,8 @@ async def send(client: httpx.AsyncClient, endpoint: str, work: Work, model: str,
                 if not _is_token(endpoint, event):
                     continue
                 now = time.perf_counter()
+                if endpoint == "infer_token":
+                    result.token_ids.append(event["token"]["id"])
                 if last is None:
                     result.ttft = now - result.start
                 else:

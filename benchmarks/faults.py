@@ -228,7 +228,7 @@ def run_row(url: str, name: str, work: list[tuple[str, dict]], references: list[
 
 
 def deploy(prefill_replicas: int = 1) -> None:
-    serve.run(pd_app({"torch_threads": 1, "dtype": "float32", "embeddings": False},
+    serve.run(pd_app({"torch_threads": 1, "dtype": "float32", "embeddings": False, "pd_local_prefill_tokens": 0},
                      prefill_options={"num_replicas": prefill_replicas}, decode_options={"num_replicas": 2}),
               name="pd", route_prefix="/")
 

@@ -3,9 +3,11 @@
 Starts a local 3-node Ray cluster (head, a `prefill` node, a `decode` node), deploys the PD
 app with P and D on their own nodes, sends prompts of growing length, and reads D's own
 measurements (bytes, seconds per fetch). Also runs P and D on one node, where the fetch is a
-zero-copy read of shared memory.
+zero-copy read of shared memory. Each prompt is streamed, and the client's times of the first
+token (P's) and the second (D's first, after the hand-off) are set beside the fetch: the
+hand-off is on the path to the second token, not the first.
 
-    python benchmarks/kv_transfer.py [--json PATH]
+    python benchmarks/kv_transfer.py [--json PATH] [--chunk-mb MB] [--in-flight-mb MB]
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 import sys
+import time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -28,32 +31,50 @@ from tests.serving import serve_session  # noqa: E402
 PROMPT_LENGTHS = (256, 1024, 4000)
 
 
+def token_times(url: str, app: str, prompt: list[int]) -> tuple[float, float]:
+    """Seconds from sending to the first and to the second streamed token."""
+    body = {"input_id": prompt, "stream": True, "parameters": {"max_new_tokens": 2, "ignore_eos": True}}
+    start, times = time.perf_counter(), []
+    with httpx.stream("POST", f"{url}/{app}/infer_token", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:]).get("token"):
+                times.append(time.perf_counter() - start)
+    return times[0], times[1]
+
+
 def measure(url: str, app: str) -> list[dict]:
     handle = serve.get_deployment_handle("DecodeServer", app_name=app)
     rows = []
     for n in PROMPT_LENGTHS:
         before = handle.kv_transfers.remote().result()
-        body = {"input_id": [(7 * i) % 800 + 3 for i in range(n)], "parameters": {"max_new_tokens": 2}}
-        assert httpx.post(f"{url}/{app}/infer_token", json=body, timeout=300).status_code == 200
+        first, second = token_times(url, app, [(7 * i + n) % 800 + 3 for i in range(n)])
         after = handle.kv_transfers.remote().result()
         nbytes, seconds = after["bytes"] - before["bytes"], after["seconds"] - before["seconds"]
         rows.append({"placement": app, "prompt_tokens": n, "kv_mb": nbytes / 1e6, "ms": seconds * 1e3,
-                     "gb_s": nbytes / seconds / 1e9})
+                     "gb_s": nbytes / seconds / 1e9, "ttft_ms": first * 1e3, "second_token_ms": second * 1e3})
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--chunk-mb", type=float, help="Ray's object_manager_default_chunk_size (default 5 MiB)")
+    parser.add_argument("--in-flight-mb", type=float, help="Ray's object_manager_max_bytes_in_flight")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    system = {}
+    if args.chunk_mb:
+        system["object_manager_default_chunk_size"] = int(args.chunk_mb * 2**20)
+    if args.in_flight_mb:
+        system["object_manager_max_bytes_in_flight"] = int(args.in_flight_mb * 2**20)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": system})
     cluster.add_node(num_cpus=2, resources={"prefill": 1})
     cluster.add_node(num_cpus=2, resources={"decode": 2})  # one for each app below
     cluster.wait_for_nodes()
     try:
         with serve_session(address=cluster.address) as url:
-            app_args = {"torch_threads": 1}
+            app_args = {"torch_threads": 1, "pd_local_prefill_tokens": 0}
             apart = pd_app(app_args, {"ray_actor_options": {"num_cpus": 1, "resources": {"prefill": 1}}},
                                  {"ray_actor_options": {"num_cpus": 1, "resources": {"decode": 1}}})
             together = pd_app(app_args, {"ray_actor_options": {"num_cpus": 0.5, "resources": {"decode": 0.1}}},
@@ -64,11 +85,13 @@ def main() -> None:
     finally:
         cluster.shutdown()
     print(f"memory copy bandwidth: {bandwidth / 1e9:.1f} GB/s")
-    print(f"{'placement':<12}{'tokens':>8}{'KV MB':>8}{'ms':>9}{'GB/s':>8}{'vs copy':>9}")
+    print(f"{'placement':<12}{'tokens':>8}{'KV MB':>8}{'ms':>9}{'GB/s':>8}{'vs copy':>9}{'TTFT ms':>9}"
+          f"{'2nd ms':>9}{'fetch/TTFT':>11}")
     for r in rows:
         r["vs_copy_bandwidth"] = r["gb_s"] * 1e9 / bandwidth
         print(f"{r['placement']:<12}{r['prompt_tokens']:>8}{r['kv_mb']:>8.2f}{r['ms']:>9.2f}{r['gb_s']:>8.2f}"
-              f"{r['vs_copy_bandwidth']:>9.2f}")
+              f"{r['vs_copy_bandwidth']:>9.2f}{r['ttft_ms']:>9.1f}{r['second_token_ms']:>9.1f}"
+              f"{r['ms'] / r['ttft_ms']:>11.3f}")
     if args.json:
         args.json.write_text(json.dumps({"copy_gb_s": bandwidth / 1e9, "transfers": rows}, indent=2))
 

@@ -7,6 +7,9 @@ status, all of it per priority too, with vLLM's JSON field names (`vllm bench se
 
     pdserve-loadtest --endpoint infer_token --request-rate 4 --num-requests 100 \\
         --input-len 64:256 --output-len 32 --priority-mix 1:0.2,5:0.8 --json out.json --plot plots/
+
+With --sample-replicas S it reads the server's /metrics every S seconds and reports the running
+replicas of each deployment over the run, and the P:D ratio (PD under autoscaling).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 import ipaddress
 import json
 from pathlib import Path
+import re
 import socket
 import sys
 import time
@@ -41,8 +45,10 @@ def check_loopback(base_url: str) -> None:
         raise SystemExit(f"--base-url: {host} is not a loopback address; pass --allow-remote to load another host")
 
 
-async def run_load(args: argparse.Namespace, work: list[Work], rate: float) -> tuple[list[Result], float]:
-    """Send ``work``; return the measured (non-warm-up) results and the measured duration."""
+async def run_load(args: argparse.Namespace, work: list[Work], rate: float
+                   ) -> tuple[list[Result], float, list[dict] | None]:
+    """Send ``work``; return the measured (non-warm-up) results, the measured duration and, with
+    --sample-replicas, the replica samples."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, limits=limits, timeout=args.timeout + 30) as client:
         warm = [w for w in work if w.warmup]
@@ -52,13 +58,51 @@ async def run_load(args: argparse.Namespace, work: list[Work], rate: float) -> t
         progress = _progress(len(measured), args.quiet)
         start = time.perf_counter()
         deadline = start + args.duration
+        sampler = asyncio.create_task(_sample_replicas(client, args.sample_replicas, start)) \
+            if args.sample_replicas else None
         if args.concurrency:
             results = await _closed_loop(client, args, measured, deadline, progress)
         else:
             results = await _open_loop(client, args, measured, rate, deadline, progress)
         duration = time.perf_counter() - start
         progress.close()
-    return results, duration
+        samples = None
+        if sampler is not None:
+            sampler.cancel()
+            samples = await sampler
+    return results, duration, samples
+
+
+REPLICAS = re.compile(r'^pdserve_replicas\{deployment="(\w+)"\} (\S+)$', re.MULTILINE)
+REPLICA_SAMPLES_MAX = 10_000  # a bound on the sampler's loop
+
+
+async def _sample_replicas(client: httpx.AsyncClient, every_s: float, start: float) -> list[dict]:
+    """{"t": seconds since start, deployment: running replicas, ...} every ``every_s`` until cancelled."""
+    samples: list[dict] = []
+    try:
+        for _ in range(REPLICA_SAMPLES_MAX):
+            try:
+                text = (await client.get("/metrics", timeout=10)).text
+                counts = {name: int(float(value)) for name, value in REPLICAS.findall(text)}
+                samples.append({"t": round(time.perf_counter() - start, 2), **counts})
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(every_s)
+    except asyncio.CancelledError:
+        pass
+    return samples
+
+
+def replica_report(samples: list[dict]) -> dict:
+    """The samples, and the time-weighted mean P:D replica ratio when both deployments are there."""
+    report: dict = {"samples": samples}
+    pairs = [(s["t"], s["PrefillServer"] / s["DecodeServer"]) for s in samples
+             if s.get("PrefillServer") and s.get("DecodeServer")]
+    if len(pairs) > 1:
+        spans = [(b[0] - a[0], a[1]) for a, b in zip(pairs, pairs[1:])]
+        report["mean_pd_ratio"] = round(sum(dt * r for dt, r in spans) / sum(dt for dt, _ in spans), 3)
+    return report
 
 
 async def _open_loop(client, args, work: list[Work], rate: float, deadline: float, progress) -> list[Result]:
@@ -101,11 +145,15 @@ def _progress(total: int, quiet: bool):
     return tqdm(total=total, disable=quiet, unit="req", file=sys.stderr)
 
 
-def build_result(args, results: list[Result], duration: float, rate: float) -> dict:
+def build_result(args, results: list[Result], duration: float, rate: float, samples: list[dict] | None = None
+                 ) -> dict:
     goodput = parse_goodput(args.goodput)
-    return {"endpoint": args.endpoint, "request_rate": rate, "burstiness": args.burstiness,
-            "max_concurrency": args.concurrency or args.max_concurrency, "num_prompts": len(results),
-            **summarize(results, duration, goodput), "per_priority": per_priority(results, duration, goodput)}
+    result = {"endpoint": args.endpoint, "request_rate": rate, "burstiness": args.burstiness,
+              "max_concurrency": args.concurrency or args.max_concurrency, "num_prompts": len(results),
+              **summarize(results, duration, goodput), "per_priority": per_priority(results, duration, goodput)}
+    if samples is not None:
+        result["replicas"] = replica_report(samples)
+    return result
 
 
 def print_table(result: dict) -> None:
@@ -127,6 +175,15 @@ def print_table(result: dict) -> None:
         for p, r in result["per_priority"].items():
             print(f"{p:<10}{r['completed']:>10}{r['median_ttft_ms']:>12.1f}{r['p99_ttft_ms']:>12.1f}"
                   f"{r['p99_tpot_ms']:>12.1f}")
+    if "replicas" in result:
+        changes = [s for i, s in enumerate(result["replicas"]["samples"])
+                   if i == 0 or {k: v for k, v in s.items() if k != "t"}
+                   != {k: v for k, v in result["replicas"]["samples"][i - 1].items() if k != "t"}]
+        for sample in changes:
+            counts = ", ".join(f"{k} {v}" for k, v in sample.items() if k != "t")
+            print(f"{'replicas at ' + str(sample['t']) + ' s':<24}{counts:>28}")
+        if "mean_pd_ratio" in result["replicas"]:
+            print(f"{'Mean P:D replica ratio':<38}{result['replicas']['mean_pd_ratio']:>14.3f}")
     print("=" * 52)
 
 
@@ -155,6 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep", default=None, help="comma-separated request rates, run one after another")
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="directory for PNG plots")
+    p.add_argument("--sample-replicas", type=float, default=None, metavar="SECONDS",
+                   help="read the server's /metrics this often and report its replicas over the run (P:D ratio)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     for name in ("num_requests", "concurrency", "max_concurrency", "warmup"):
@@ -163,6 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}: must be positive")
     if args.request_rate <= 0 or args.duration <= 0 or args.burstiness <= 0:
         p.error("--request-rate, --duration and --burstiness must be > 0")
+    if args.sample_replicas is not None and args.sample_replicas <= 0:
+        p.error("--sample-replicas: must be > 0")
     return args
 
 
@@ -176,8 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
     for i, rate in enumerate(rates):
         work = workloads(args.num_requests, args.input_len, args.output_len, args.seed + i, args.priority_mix,
                          (low, high), args.dataset, args.warmup)
-        results, duration = asyncio.run(run_load(args, work, rate))
-        run = build_result(args, results, duration, rate)
+        results, duration, samples = asyncio.run(run_load(args, work, rate))
+        run = build_result(args, results, duration, rate, samples)
         run["_results"] = results
         runs.append(run)
         if not args.quiet:

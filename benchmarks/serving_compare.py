@@ -1,16 +1,22 @@
 """PD against colocated on the same machine and cores, and Ray Serve's overhead.
 
-Starts the PD app, then the colocated app, each alone on this machine's two cores: PD gives
-P and D one torch thread each, colocated gives its one engine both. Runs the same rate sweep
-of three workloads against each (chat-like: 64-256 in / 32 out; prefill-heavy: 1024 / 16;
-decode-heavy: 32 / 128), prints goodput, p99 TTFT and p99 TPOT side by side with ratios, and
-measures the serving overhead: TTFT and time per token of single sequential requests over
-HTTP + Ray Serve against the in-process engine on the same prompts. Beside it, the floor: the
-same ingress over an engine deployment that answers at once (no model), i.e. what the proxy,
-the ingress and the hops cost on this machine when nothing else runs.
+Starts each app alone on this machine's two cores: colocated gives its one engine both; the PD
+apps give P and D one torch thread each. "pd" is prefix-aware PD as configured by default
+(decode-side reuse, local prefill of short rests, deployments/disaggregation.py); "pd-whole" is
+PD that sends every prompt whole through P (``pd_decode_prefix_reuse=false``,
+``pd_local_prefill_tokens=0``), the PD of before. Runs the same rate sweep of three workloads
+against each (chat-like: 64-256 in / 32 out; prefill-heavy: 1024 / 16; multi-turn: conversations
+of 4 turns over a 1024-token system prompt, 64 new tokens and 32 out per turn), prints goodput,
+p99 TTFT and p99 TPOT side by side with ratios to colocated, and for the PD apps the KV bytes
+sent per request (per conversation on multi-turn), D's prefix-cache hit rate and the share of
+prompts D computed itself. Then the serving overhead: TTFT and time per token of single
+sequential requests over HTTP + Ray Serve against the in-process engine on the same prompts.
+Beside it, the floor: the same ingress over an engine deployment that answers at once (no
+model), i.e. what the proxy, the ingress and the hops cost on this machine when nothing else runs.
 
     python benchmarks/serving_compare.py [--rates 2,4,8] [--num-requests 40] [--json PATH]
     python benchmarks/serving_compare.py --overhead-only     # the serving overhead alone
+    python benchmarks/serving_compare.py --threshold-scan    # TTFT on P vs on D by prompt length
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import argparse
 import asyncio
 import json
 from pathlib import Path
+import re
 import statistics
 import sys
 import time
@@ -29,11 +36,14 @@ import httpx  # noqa: E402
 from ray import serve  # noqa: E402
 
 from benchmarks.clients import send  # noqa: E402
+from benchmarks.conversations import run_conversations  # noqa: E402
 from benchmarks.loadgen import workloads  # noqa: E402
 from benchmarks.loadtest import main as loadtest  # noqa: E402
+from benchmarks.stats import parse_goodput, summarize  # noqa: E402
 from deployments.app import colocated_app, pd_app  # noqa: E402
 from deployments.config import AppArgs  # noqa: E402
 from deployments.ingress import Ingress  # noqa: E402
+from deployments.liveness import Accepted, replica_id  # noqa: E402
 from deployments.servers import ModelInfo  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -42,13 +52,26 @@ from engine.request import GenerationRequest  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 from tests.serving import serve_session  # noqa: E402
 
-WORKLOADS = {"chat-like": ("64:256", "32"), "prefill-heavy": ("1024", "16"), "decode-heavy": ("32", "128")}
+WORKLOADS = {"chat-like": ("64:256", "32"), "prefill-heavy": ("1024", "16"), "multi-turn": None}
+MULTI_TURN = {"turns": 4, "system_len": 1024, "user_len": 64, "output_len": 32}
 GOODPUT = ["ttft:2000", "tpot:100"]
+PD_WHOLE = {"pd_decode_prefix_reuse": False, "pd_local_prefill_tokens": 0}
 APPS = {  # how the two cores are split
-    "pd": lambda: pd_app({"torch_threads": 1, "embeddings": False},
-                         {"ray_actor_options": {"num_cpus": 1}}, {"ray_actor_options": {"num_cpus": 1}}),
     "colocated": lambda: colocated_app({"torch_threads": 2, "embeddings": False},
                                        {"ray_actor_options": {"num_cpus": 2}}),
+    "pd-whole": lambda: pd_app({"torch_threads": 1, "embeddings": False, **PD_WHOLE},
+                               {"ray_actor_options": {"num_cpus": 1}}, {"ray_actor_options": {"num_cpus": 1}}),
+    "pd": lambda: pd_app({"torch_threads": 1, "embeddings": False},
+                         {"ray_actor_options": {"num_cpus": 1}}, {"ray_actor_options": {"num_cpus": 1}}),
+}
+COUNTERS = {  # what each run adds to the server's figures (/metrics)
+    "kv_bytes": r"^pdserve_kv_bytes_moved (\S+)$",
+    "d_prefix_queries": r'^pdserve_prefix_cache_queries\{deployment="DecodeServer"\} (\S+)$',
+    "d_prefix_hits": r'^pdserve_prefix_cache_hits\{deployment="DecodeServer"\} (\S+)$',
+    "p_prefix_queries": r'^pdserve_prefix_cache_queries\{deployment="PrefillServer"\} (\S+)$',
+    "p_prefix_hits": r'^pdserve_prefix_cache_hits\{deployment="PrefillServer"\} (\S+)$',
+    "local": r'^pdserve_pd_prefill_decisions\{reason="\w+",where="decode"\} (\S+)$',
+    "remote": r'^pdserve_pd_prefill_decisions\{reason="\w+",where="prefill"\} (\S+)$',
 }
 OVERHEAD_PROMPTS = 40  # sequential requests; the first OVERHEAD_WARMUP are not counted
 OVERHEAD_WARMUP = 4
@@ -60,22 +83,81 @@ class EchoEngine:
     ``max_new_tokens`` outputs at once, so that a request's time is the serving path's alone."""
 
     def info(self) -> ModelInfo:
-        return ModelInfo("echo", "echo", vocab_size=1 << 20, max_model_len=1 << 20, max_iter_times=0, node_id="")
+        return ModelInfo("echo", "echo", vocab_size=1 << 20, max_model_len=1 << 20, max_iter_times=1 << 20, node_id="",
+                         dtype="float32", enable_prefix_caching=False, pad_token_id=0, hidden_size=0)
 
     async def generate(self, request: GenerationRequest):
+        yield Accepted(replica_id())  # as the engine servers do (deployments/liveness.py)
         n = request.params.max_new_tokens
         for i in range(1, n + 1):
             yield RequestOutput(request.request_id, [i], "x", i, i == n, LENGTH if i == n else None, 0)
 
 
+def counters(url: str) -> dict[str, float]:
+    """The COUNTERS' current values (summed over their label sets)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {name: sum(float(v) for v in re.findall(pattern, text, re.MULTILINE)) for name, pattern in COUNTERS.items()}
+
+
+def one_run(url: str, workload: str, rate: float, num_requests: int, seed: int) -> dict:
+    """One workload at one offered rate: the load tester's summary, and the server's figures for it.
+    Each run has prompts of its own (``seed``): none finds an earlier run's in a prefix cache."""
+    before = counters(url)
+    if workload == "multi-turn":
+        conversations = num_requests // MULTI_TURN["turns"]
+        results, duration = asyncio.run(run_conversations(url, conversations, rate=rate, seed=seed, **MULTI_TURN))
+        run = {"request_rate": rate, "conversations": conversations,
+               **summarize(results, duration, parse_goodput(GOODPUT))}
+    else:
+        input_len, output_len = WORKLOADS[workload]
+        run = loadtest(["--base-url", url, "--num-requests", str(num_requests), "--input-len", input_len,
+                        "--output-len", output_len, "--request-rate", str(rate), "--goodput", *GOODPUT, "--quiet",
+                        "--warmup", "2", "--seed", str(seed)])
+    after = counters(url)
+    run["server"] = {name: after[name] - before[name] for name in COUNTERS}
+    return run
+
+
 def sweep(url: str, rates: str, num_requests: int) -> dict:
+    return {name: [one_run(url, name, float(rate), num_requests, seed=7 + 100 * i)
+                   for i, rate in enumerate(rates.split(","))] for name in WORKLOADS}
+
+
+SCAN_LENGTHS = (32, 64, 128, 256, 512, 1024)
+SCAN_REPEATS = 6  # sequential requests per length; the first is not counted
+
+
+def threshold_scan() -> dict:
+    """Median TTFT and time to the second token (ms) of single sequential requests by prompt length,
+    prefilled on P and handed over vs prefilled on D: what a hand-off costs a request, beside what
+    a local prefill costs D (the chat-like sweep), for the default of pd_local_prefill_tokens."""
     out = {}
-    for name, (input_len, output_len) in WORKLOADS.items():
-        result = loadtest(["--base-url", url, "--num-requests", str(num_requests), "--input-len", input_len,
-                           "--output-len", output_len, "--sweep", rates, "--goodput", *GOODPUT, "--quiet",
-                           "--warmup", "2", "--seed", "7"])
-        out[name] = result["sweep"] if "sweep" in result else [result]
+    for where, local in (("prefill", 0), ("decode", 1 << 20)):
+        with serve_session() as url:
+            serve.run(pd_app({"torch_threads": 1, "embeddings": False, "pd_decode_prefix_reuse": False,
+                              "pd_local_prefill_tokens": local},
+                             {"ray_actor_options": {"num_cpus": 1}}, {"ray_actor_options": {"num_cpus": 1}}),
+                      name="scan", route_prefix="/")
+            out[where] = {}
+            for length in SCAN_LENGTHS:
+                prompts = workloads(SCAN_REPEATS, str(length), "8", length, None, (3, 800))
+                firsts, seconds = [], []
+                for w in prompts:
+                    result = asyncio.run(_one(url, w))
+                    assert result.ok, result.error
+                    firsts.append(result.ttft * 1e3)
+                    seconds.append((result.ttft + result.itl[0]) * 1e3)
+                out[where][length] = (statistics.median(firsts[1:]), statistics.median(seconds[1:]))
+    print(f"{'prompt tokens':<15}{'on P: TTFT':>12}{'2nd token':>11}{'on D: TTFT':>12}{'2nd token':>11}")
+    for length in SCAN_LENGTHS:
+        (p1, p2), (d1, d2) = out["prefill"][length], out["decode"][length]
+        print(f"{length:<15}{p1:>12.1f}{p2:>11.1f}{d1:>12.1f}{d2:>11.1f}")
     return out
+
+
+async def _one(url: str, work):
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        return await send(client, "infer_token", work, "tiny-llama", 120)
 
 
 def http_latency(url: str, prompts) -> tuple[float, float]:
@@ -115,33 +197,63 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=40)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--overhead-only", action="store_true", help="skip the sweeps")
+    parser.add_argument("--threshold-scan", action="store_true", help="only TTFT on P vs on D by prompt length")
+    parser.add_argument("--apps", default=",".join(APPS), help="the apps to sweep, comma-separated")
     args = parser.parse_args()
+    if args.threshold_scan:
+        scan = threshold_scan()
+        if args.json:
+            args.json.write_text(json.dumps(scan, indent=2))
+        return
     prompts = workloads(OVERHEAD_PROMPTS, "128", "32", 11, None, (3, 800))
     results = {}
-    for app, build in APPS.items():
+    for app in args.apps.split(","):
+        build = APPS[app]
         with serve_session() as url:
             serve.run(build(), name=app, route_prefix="/")
             sweeps = {} if args.overhead_only else sweep(url, args.rates, args.num_requests)
             results[app] = {"sweep": sweeps, "http": http_latency(url, prompts)}
+    if not args.overhead_only:
+        report_sweeps(results)
+        if args.json:
+            args.json.write_text(json.dumps({"results": results}, indent=2))
     with serve_session() as url:
         serve.run(Ingress.bind(AppArgs(embeddings=False), llm=EchoEngine.bind()), name="floor", route_prefix="/")
         floor = http_latency(url, prompts)
-    engine = {app: engine_latency(prompts, 1 if app == "pd" else 2) for app in APPS}
-    if not args.overhead_only:
-        report_sweeps(results)
+    engine = {app: engine_latency(prompts, 2 if app == "colocated" else 1) for app in results}
     report_overhead(results, engine, floor)
     if args.json:
         args.json.write_text(json.dumps({"results": results, "engine": engine, "floor": floor}, indent=2))
 
 
 def report_sweeps(results: dict) -> None:
-    print(f"{'workload':<15}{'rate':>6}{'metric':>14}{'PD':>10}{'colocated':>11}{'PD/co':>8}")
+    apps = list(results)
+    print(f"{'workload':<15}{'rate':>6}{'metric':>16}" + "".join(f"{a:>11}" for a in apps)
+          + "".join(f"{a + '/co':>12}" for a in apps if a != "colocated"))
     for name in WORKLOADS:
-        for pd_run, co_run in zip(results["pd"]["sweep"][name], results["colocated"]["sweep"][name]):
+        runs = list(zip(*(results[a]["sweep"][name] for a in apps)))
+        for by_app in runs:
+            rate = by_app[0]["request_rate"]
             for metric in ("request_goodput", "p99_ttft_ms", "p99_tpot_ms"):
-                pd_v, co_v = pd_run[metric], co_run[metric]
-                ratio = pd_v / co_v if co_v else float("nan")
-                print(f"{name:<15}{pd_run['request_rate']:>6.1f}{metric:>14}{pd_v:>10.2f}{co_v:>11.2f}{ratio:>8.2f}")
+                values = {a: r[metric] for a, r in zip(apps, by_app)}
+                co = values.get("colocated")
+                ratios = "".join(f"{values[a] / co if co else float('nan'):>12.2f}" for a in apps if a != "colocated")
+                print(f"{name:<15}{rate:>6.1f}{metric:>16}" + "".join(f"{values[a]:>11.2f}" for a in apps) + ratios)
+    print(f"\n{'workload':<15}{'rate':>6}{'app':>10}{'KV MB/req':>11}{'KV MB/conv':>12}{'D hit %':>9}"
+          f"{'P hit %':>9}{'on D %':>8}")
+    for name in WORKLOADS:
+        for app in apps:
+            if app == "colocated":
+                continue
+            for run in results[app]["sweep"][name]:
+                server, done = run["server"], max(run["completed"], 1)
+                per_conv = server["kv_bytes"] / run["conversations"] / 1e6 if "conversations" in run else float("nan")
+                d_hit = 100 * server["d_prefix_hits"] / server["d_prefix_queries"] if server["d_prefix_queries"] else 0
+                p_hit = 100 * server["p_prefix_hits"] / server["p_prefix_queries"] if server["p_prefix_queries"] else 0
+                decided = server["local"] + server["remote"]
+                local = 100 * server["local"] / decided if decided else 0.0
+                print(f"{name:<15}{run['request_rate']:>6.1f}{app:>10}{server['kv_bytes'] / done / 1e6:>11.3f}"
+                      f"{per_conv:>12.3f}{d_hit:>9.1f}{p_hit:>9.1f}{local:>8.1f}")
 
 
 def report_overhead(results: dict, engine: dict, floor: tuple[float, float]) -> None:
@@ -152,7 +264,8 @@ def report_overhead(results: dict, engine: dict, floor: tuple[float, float]) -> 
         (h_ttft, h_tpot), (e_ttft, e_tpot) = results[app]["http"], engine[app]
         print(f"{app:<20}{h_ttft:>12.2f}{e_ttft:>10.2f}{h_ttft - e_ttft:>10.2f}"
               f"{h_tpot:>14.2f}{e_tpot:>10.2f}{h_tpot - e_tpot:>10.2f}")
-    print(f"{'floor (no model)':<20}{floor[0]:>12.2f}{0:>10.2f}{floor[0]:>10.2f}{floor[1]:>14.2f}{0:>10.2f}{floor[1]:>10.2f}")
+    print(f"{'floor (no model)':<20}{floor[0]:>12.2f}{0:>10.2f}{floor[0]:>10.2f}"
+          f"{floor[1]:>14.2f}{0:>10.2f}{floor[1]:>10.2f}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ray.serve import Application
 
 from deployments.config import AppArgs
@@ -47,7 +49,8 @@ def pd_app(args: AppArgs | dict | None = None, prefill_options: dict | None = No
     prefill = PrefillServer.options(**{**options, **(prefill_options or {})})
     prefill = prefill.bind(args.engine_config(prefill_model), store, args.max_loras)
     decode = DecodeServer.options(**{**options, **(decode_options or {})})
-    decode = decode.bind(args.engine_config(decode_model), store, args.max_loras, args.heartbeat_s)
+    decode_config = replace(args.engine_config(decode_model), first_token_from_prefill=True)
+    decode = decode.bind(decode_config, store, args.max_loras, args.heartbeat_s, args.kv_lease_s)
     return Ingress.bind(args, lora_store=store, prefill=prefill, decode=decode, embedder=_embedder(args))
 
 

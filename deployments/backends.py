@@ -8,11 +8,14 @@ where leaving the engine's stream aborts the request and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from ray.serve.handle import DeploymentHandle
 
+from deployments import routing
+from deployments.disaggregation import NO_PLAN, Decision, DisaggregationPolicy
 from deployments.errors import KVLeaseExpired
 from deployments.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.liveness import watched
@@ -35,18 +38,24 @@ class ColocatedBackend:
     async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None
                      ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs; ReplicaStalled if its replica stops mid-stream (liveness.py)."""
-        async with aclosing(_cancel_on_exit(self._generate.remote(request))) as items:
-            accepted = await anext(items)  # the one replica may be restarting: no bound but the deadline
-            async for output in watched(items, self.stall_timeout_s, accepted.replica):
-                if trace:
-                    trace.record_prefill(output)
+        # The one replica may be restarting: no bound on its taking the call but the deadline.
+        async with aclosing(_served(self._generate.remote(request), self.stall_timeout_s, trace)) as outputs:
+            async for output in outputs:
                 yield output
 
 
 class PDBackend:
-    """The ingress orchestrates: P runs the prompt and returns each choice's first token at
-    once; the ingress hands them to the client, then calls D with P's reply. P's KV goes from P to D
-    through the KV connector (deployments/kv_connector.py): only its handle passes through here.
+    """The ingress orchestrates P and D for each request (docs/serving.md, "Prefix-aware PD"):
+
+    1. unless the prompt is short, a D replica (routed by prefix affinity and load,
+       deployments/routing.py) says how much of the prompt its prefix cache holds, and keeps it
+       for the request (``plan``);
+    2. the policy (deployments/disaggregation.py) decides where the rest is computed;
+    3. local: D runs the whole request (``generate``), pinned to the replica that answered;
+    4. remote: P runs the prompt and returns each choice's first token at once, with the KV of
+       the tokens D lacks; the ingress hands the first tokens to the client, then calls D,
+       pinned, with P's reply. The KV goes from P to D through the KV connector
+       (deployments/kv_connector.py): only its handle passes through here.
 
     The ingress owns the KV from P's reply until a D replica takes the request, so it outlives P's
     replica. A D replica must take the request within ``kv_lease_s``; one that does not (stalled,
@@ -55,52 +64,101 @@ class PDBackend:
     the request fails it with ``ReplicaStalled`` after ``stall_timeout_s`` (liveness.py)."""
 
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, kv_lease_s: float,
-                 stall_timeout_s: float) -> None:
+                 stall_timeout_s: float, policy: DisaggregationPolicy) -> None:
         self.prefill, self.decode = prefill, decode
         self.kv_lease_s, self.stall_timeout_s = kv_lease_s, stall_timeout_s
+        self.policy = policy
         self.kv: KVConnector = ObjectStoreConnector()
         self.handles = {"PrefillServer": prefill, "DecodeServer": decode}
+        self.prefill_tokens_in_flight = 0  # prompt tokens this ingress has asked P to compute, not answered yet
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (where: decode/prefill, reason) -> requests
+        self.prompt_tokens: Counter[str] = Counter()  # by who had them: decode_cache, decode, prefill
 
-    async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None
-                     ) -> AsyncIterator[RequestOutput]:
-        """P's outputs, then D's; ``trace`` learns each engine's times and the KV fetch."""
-        reply = await self.prefill_step(request)
-        for output in reply.outputs:
-            if trace:
-                trace.record_prefill(output)
-            yield output
-        if reply.handoff is not None:
-            async with aclosing(self.decode_step(request, reply, trace)) as outputs:
-                async for output in outputs:
-                    yield output
+    async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None, *,
+                     disaggregate: bool = False) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, from D alone or from P then D; ``trace`` learns each engine's
+        times and the KV fetch. ``disaggregate``: through P and D whatever the policy says, and
+        not counted (the health canary, which checks both)."""
+        num_tokens = len(request.prompt_token_ids) + len(request.resumed_output_ids)
+        plan = None
+        decision = Decision(False, "remote") if disaggregate else self.policy.without_plan(num_tokens)
+        if decision is None:
+            try:
+                plan = await asyncio.wait_for(self.decode.plan.remote(request), self.stall_timeout_s)
+            except TimeoutError:  # a stalled D: the KV lease and migration deal with it, as without plans
+                decision = Decision(False, NO_PLAN)
+        if plan is not None:
+            per_replica = self.prefill_tokens_in_flight / routing.replica_count("PrefillServer")
+            decision = self.policy.decide(num_tokens, plan.cached_tokens, plan.kv_usage, per_replica)
+        cached = plan.cached_tokens if plan is not None else 0
+        pinned = plan.replica if plan is not None else None
+        if not disaggregate:
+            self.decisions["decode" if decision.local else "prefill", decision.reason] += 1
+            self.prompt_tokens["decode_cache"] += cached
+            self.prompt_tokens["decode" if decision.local else "prefill"] += num_tokens - cached
+        if decision.local:
+            call = self.decode.options(stream=True, _by_reference=False).generate.remote(request, pinned=pinned)
+            steps = _served(call, self.stall_timeout_s, trace)
+        else:
+            reply = await self.prefill_step(request, cached)
+            for output in reply.outputs:
+                if trace:
+                    trace.record_prefill(output)
+                yield output
+            if reply.handoff is None:
+                return
+            steps = self.decode_step(request, reply, trace, pinned)
+        async with aclosing(steps) as outputs:
+            async for output in outputs:
+                yield output
 
-    async def prefill_step(self, request: GenerationRequest) -> PrefillReply:
-        """P's reply, with the handle to its KV (owned here) when D is to go on."""
-        call = self.prefill.options(stream=True).prefill.remote(request)
+    async def prefill_step(self, request: GenerationRequest, kv_export_start: int = 0) -> PrefillReply:
+        """P's reply, with the handle to its KV (owned here) from token ``kv_export_start`` on,
+        when D is to go on."""
+        tokens = len(request.prompt_token_ids) + len(request.resumed_output_ids) - kv_export_start
+        self.prefill_tokens_in_flight += tokens
+        call = self.prefill.options(stream=True).prefill.remote(request, kv_export_start)
         try:
             return await self.kv.claim(call)
         except asyncio.CancelledError:
             call.cancel()
             raise
+        finally:
+            self.prefill_tokens_in_flight -= tokens
 
-    async def decode_step(self, request: GenerationRequest, reply: PrefillReply, trace: RequestTrace | None = None
-                          ) -> AsyncIterator[RequestOutput]:
-        """D's outputs after P's ``reply``; KVLeaseExpired if no D takes the request within the lease."""
-        async with aclosing(_cancel_on_exit(self.decode.options(stream=True).decode.remote(request, reply))) as items:
-            try:
-                accepted = await asyncio.wait_for(anext(items), self.kv_lease_s)  # D holds its own handle
-            except TimeoutError:
-                raise KVLeaseExpired(f"no decode replica took the request within the {self.kv_lease_s:g} s "
-                                     "lease of its KV") from None
-            self.kv.release(reply)
-            async for item in watched(items, self.stall_timeout_s, accepted.replica):
-                if isinstance(item, KVTransfer):
-                    if trace:
-                        trace.record_kv(item)
-                    continue
+    def decode_step(self, request: GenerationRequest, reply: PrefillReply, trace: RequestTrace | None = None,
+                    pinned: str | None = None) -> AsyncIterator[RequestOutput]:
+        """D's outputs after P's ``reply``; KVLeaseExpired if no D takes the request within the
+        lease. ``pinned``: the D replica that holds the prefix P's KV continues. Taking the
+        request, D holds its own handle to the KV: the ingress drops its own."""
+        call = self.decode.options(stream=True).decode.remote(request, reply, pinned=pinned)
+        return _served(call, self.stall_timeout_s, trace, self.kv_lease_s, lambda: self.kv.release(reply))
+
+
+async def _served(call, stall_timeout_s: float, trace: RequestTrace | None, lease_s: float | None = None,
+                  on_taken: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
+    """A streaming engine call's outputs: its ``Accepted`` first (within ``lease_s`` when given:
+    KVLeaseExpired otherwise; ``on_taken`` then), then its items while it shows signs of life
+    (liveness.py). Its KV fetch and its engine's times go to ``trace``: a call that took P's KV
+    decodes, any other prefilled too."""
+    async with aclosing(_cancel_on_exit(call)) as items:
+        try:
+            accepted = await asyncio.wait_for(anext(items), lease_s)
+        except TimeoutError:
+            raise KVLeaseExpired(f"no decode replica took the request within the {lease_s:g} s "
+                                 "lease of its KV") from None
+        if on_taken is not None:
+            on_taken()
+        async for item in watched(items, stall_timeout_s, accepted.replica):
+            if isinstance(item, KVTransfer):
                 if trace:
-                    trace.record_decode(item)
-                yield item
+                    trace.record_kv(item)
+                continue
+            if trace and lease_s is None:
+                trace.record_prefill(item)
+            elif trace:
+                trace.record_decode(item)
+            yield item
 
 
 async def _cancel_on_exit(responses) -> AsyncIterator[RequestOutput]:

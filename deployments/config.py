@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.disaggregation import DisaggregationPolicy
 from engine.config import DTYPES, EngineConfig
 
 
@@ -42,6 +43,14 @@ class AppArgs(BaseModel):
     stall_timeout_s: float = Field(5.0, gt=0, description="seconds without a token or a heartbeat after which "
                                    "the ingress takes a streaming replica for stalled and moves its request "
                                    "(deployments/liveness.py); the replica says it is alive 4 times as often")
+    pd_local_prefill_tokens: int = Field(
+        256, ge=0, description="PD: prompts whose tokens not held by D are at most this many are computed on D "
+        "(conditional disaggregation, docs/serving.md); 0: only when D holds all but the last block")
+    pd_prefill_busy_tokens: int = Field(
+        16384, gt=0, description="PD: past this many prompt tokens in flight to each P replica (from one ingress), "
+        "D computes prompts itself while its KV usage is below 0.8")
+    pd_decode_prefix_reuse: bool = Field(True, description="PD: ask D how much of a prompt its prefix cache holds "
+                                         "and send only the KV of the rest")
     max_beam_width: int = Field(8, ge=1, le=64, description="/infer_token: the widest beam search a request may "
                                 "ask for")
     max_logits_floats: int = Field(1 << 24, gt=0, description="/infer_token: the most floats return_context_logits "
@@ -90,6 +99,11 @@ class AppArgs(BaseModel):
                 raise ValueError(f"lora_modules: {name!r} is named twice")
             out[name] = directory
         return out
+
+    @property
+    def disaggregation(self) -> DisaggregationPolicy:
+        return DisaggregationPolicy(self.pd_local_prefill_tokens, self.pd_prefill_busy_tokens,
+                                    self.pd_decode_prefix_reuse)
 
     @property
     def heartbeat_s(self) -> float:

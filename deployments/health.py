@@ -18,6 +18,7 @@ import uuid
 
 from ray import serve
 
+from deployments.backends import PDBackend
 from deployments.errors import REPLICA_FAILURES, root_cause
 from engine.request import PRIORITY_MIN, GenerationRequest
 from sampling.params import SamplingParams
@@ -94,7 +95,11 @@ class Readiness:
         try:
             async with asyncio.timeout(CANARY_TIMEOUT_S):
                 outputs = []
-                async for output in self.backend.stream(canary_request(CANARY_TIMEOUT_S)):
+                request = canary_request(CANARY_TIMEOUT_S)
+                # In PD, through P and D whatever the policy says: both are checked.
+                pd = isinstance(self.backend, PDBackend)
+                stream = self.backend.stream(request, disaggregate=True) if pd else self.backend.stream(request)
+                async for output in stream:
                     reached += 1
                     if output.error:
                         raise RuntimeError(output.error)

@@ -127,7 +127,7 @@ class Ingress:
         self._lora_names: dict[str, LoraRef] | None = None
         self._lora_shape: ModelShape | None = None
         self.backend = (ColocatedBackend(llm, args.stall_timeout_s) if llm is not None
-                        else PDBackend(prefill, decode, args.kv_lease_s, args.stall_timeout_s))
+                        else PDBackend(prefill, decode, args.kv_lease_s, args.stall_timeout_s, args.disaggregation))
         self.embedder = embedder
         self.metrics = IngressMetrics()
         self.spans = SpanWriter(args.traces_exporter) if args.traces_exporter != "none" else None
@@ -410,5 +410,5 @@ class Ingress:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus(self):
-        return PlainTextResponse(await self.metrics.render(self.backend.handles),
+        return PlainTextResponse(await self.metrics.render(self.backend),
                                  media_type="text/plain; version=0.0.4")

@@ -8,9 +8,9 @@ thread runs (``heartbeats``). The ingress reads the stream through ``watched``: 
 ``stall_timeout_s`` (AppArgs) raises ``ReplicaStalled``, a replica failure, and the request
 migrates (deployments/migration.py).
 
-The ingress also marks the replica, and ``LivenessRouter`` (the engine deployments' Serve request
-router, which runs in the ingress's process) gives it no new request for ``AVOID_S`` unless it is
-the only one left: without that, Serve's router, which sees only queue lengths, may send the
+The ingress also marks the replica, and the engine deployments' Serve request router
+(deployments/routing.py, which runs in the ingress's process) gives it no new request for ``AVOID_S``
+unless it is the only one left: without that, Serve's router, which sees only queue lengths, may send the
 migrated request straight back to the stopped replica.
 """
 
@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-import random
 import time
 from typing import AsyncIterator, Callable
 
 from ray import serve
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import RunningReplica
 
 from deployments.errors import ReplicaStalled
 
@@ -94,17 +93,3 @@ def preferred(replicas: list[RunningReplica]) -> list[RunningReplica]:
     now = time.monotonic()
     live = [r for r in replicas if _stalled_until.get(r.replica_id.to_full_id_str(), 0.0) <= now]
     return live or replicas
-
-
-class LivenessRouter(FIFOMixin, RequestRouter):
-    """Power of two choices among the ``preferred`` replicas: Serve's router then takes the
-    shorter queue of the two."""
-
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        # Serve may rebuild this class from a pickle, its methods with a copy of this module's
-        # globals: read the marks from the imported module, the one ``watched`` writes to.
-        from deployments import liveness
-
-        live = liveness.preferred(candidate_replicas)
-        return [random.sample(live, min(2, len(live)))] if live else []

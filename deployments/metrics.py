@@ -6,7 +6,8 @@ time to first token, time per output token, end to end); and, read from the engi
 deployments at scrape time, queue depth
 by priority, KV blocks used / cached / free and the usage fraction, prefix-cache queries and
 hits (tokens, as vLLM counts them), speculative decoding's drafts and accepted tokens (as
-vLLM names them), requests ended by finish reason, and KV bytes moved from P to D.
+vLLM names them), requests ended by finish reason, and KV bytes moved from P to D; and, in PD,
+where each prompt was computed and why, and whose its tokens were.
 Deployment figures come from the replica a handle call reaches (one per deployment per
 scrape).
 """
@@ -17,9 +18,11 @@ import asyncio
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from ray import serve
 
 from deployments.tracing import RequestTrace
 
+STATUS_TIMEOUT_S = 5.0  # Serve's status, read at each scrape for the replica counts
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BYTES_BUCKETS = tuple(4 ** k * 1024 for k in range(1, 12))  # 4 KiB .. 4 GiB
 
@@ -70,6 +73,14 @@ class IngressMetrics:
                                   "the one serving it failed", registry=r)
         self.kv_bytes = Gauge("pdserve_kv_bytes_moved", "KV bytes moved from P to D", registry=r)
         self.kv_transfers = Gauge("pdserve_kv_transfers", "KV transfers from P to D", registry=r)
+        self.replicas = Gauge("pdserve_replicas", "running replicas of each deployment of this application (P:D "
+                              "ratio under autoscaling)", ["deployment"], registry=r)
+        self.pd_decisions = Gauge("pdserve_pd_prefill_decisions", "PD requests by where their prompt was computed "
+                                  "(decode: on D, prefill: on P) and why (deployments/disaggregation.py)",
+                                  ["where", "reason"], registry=r)
+        self.pd_prompt_tokens = Gauge("pdserve_pd_prompt_tokens", "PD prompt tokens by who had them: decode_cache "
+                                      "(D held their KV), decode (D computed them), prefill (P computed and sent "
+                                      "them)", ["source"], registry=r)
 
     def observe(self, trace: RequestTrace) -> None:
         """An engine request has ended: each phase it went through, once."""
@@ -88,8 +99,10 @@ class IngressMetrics:
         self.e2e.observe(time.time() - trace.arrival)
         self.migrations.inc(trace.migrations)
 
-    async def render(self, handles: dict) -> bytes:
-        """Refresh the engine gauges from the deployments, then the text exposition."""
+    async def render(self, backend) -> bytes:
+        """Refresh the engine gauges from the backend's deployments (and a PD backend's decisions),
+        then the text exposition."""
+        handles = backend.handles
         names = list(handles)
         stats = await asyncio.gather(*(handles[n].stats.remote() for n in names), return_exceptions=True)
         for name, s in zip(names, stats):
@@ -110,8 +123,25 @@ class IngressMetrics:
             self.spec_accepted.labels(name).set(s.spec_decode_num_accepted_tokens)
             for reason, count in s.finished_by_reason.items():
                 self.finished.labels(name, reason).set(count)
+        for (where, reason), count in getattr(backend, "decisions", {}).items():
+            self.pd_decisions.labels(where, reason).set(count)
+        for source, count in getattr(backend, "prompt_tokens", {}).items():
+            self.pd_prompt_tokens.labels(source).set(count)
+        for name, count in (await running_replicas()).items():
+            self.replicas.labels(name).set(count)
         if "DecodeServer" in handles:
             transfers = await handles["DecodeServer"].kv_transfers.remote()
             self.kv_bytes.set(transfers["bytes"])
             self.kv_transfers.set(transfers["count"])
         return generate_latest(self.registry)
+
+
+async def running_replicas() -> dict[str, int]:
+    """Running replicas per deployment of the calling replica's application; {} if Serve's status
+    does not come in time."""
+    try:
+        app = serve.get_replica_context().app_name
+        status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
+    except Exception:
+        return {}
+    return {name: info.replica_states.get("RUNNING", 0) for name, info in status.applications[app].deployments.items()}

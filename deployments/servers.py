@@ -2,6 +2,9 @@
 
 Each replica owns one AsyncEngine. ``max_ongoing_requests`` is set high (AppArgs) so that
 the engine's own priority scheduler, not Ray Serve's FIFO routing, orders the requests.
+Each reports its load (``load``) to the request routers (deployments/routing.py) and to the
+autoscaler (deployments/autoscaling.py): P its queued prompt tokens, D and colocated their
+requests and KV usage.
 """
 
 from __future__ import annotations
@@ -14,16 +17,17 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from deployments.kv_connector import ObjectStoreConnector, PrefillReply
-from deployments.liveness import Accepted, Heartbeat, LivenessRouter, heartbeats, replica_id
+from deployments.errors import PrefixLost
+from deployments.liveness import Accepted, Heartbeat, heartbeats, replica_id
 from deployments.lora_store import LoraCache
+from deployments.routing import STATS_PERIOD_S, EngineRouter
 from deployments.tracing import KVTransfer
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.outputs import KVWanted, RequestOutput
 from engine.request import GenerationRequest
 
-# The streaming servers' router keeps new requests off a replica the ingress found stalled.
-ROUTER = RequestRouterConfig(request_router_class=LivenessRouter)
+ROUTER = RequestRouterConfig(request_router_class=EngineRouter, request_routing_stats_period_s=STATS_PERIOD_S)
 
 
 @dataclass
@@ -57,6 +61,18 @@ class _EngineServer:
     def stats(self):
         return self.engine.stats()
 
+    def load(self) -> dict[str, float]:
+        """This replica's load, for its router and its autoscaling policy: requests (running and
+        waiting) and the fraction of KV blocks held."""
+        stats = self.engine.stats()
+        return {"requests": stats.running + sum(stats.waiting_by_priority.values()), "kv_usage": stats.kv_cache_usage}
+
+    def record_routing_stats(self) -> dict[str, float]:
+        return self.load()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.load()
+
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose engine loop has died."""
         if not self.engine.is_alive():
@@ -74,11 +90,22 @@ class _StreamingServer(_EngineServer):
         super().__init__(engine_config, lora_store, max_loras)
         self.heartbeat_s = heartbeat_s
 
-    async def _streamed(self, items: AsyncIterator) -> AsyncIterator:
+    async def _streamed(self, items: AsyncIterator, pinned: str | None = None) -> AsyncIterator:
         """A stream's items after ``Accepted``, with heartbeats while it has nothing to send
-        (deployments/liveness.py)."""
+        (deployments/liveness.py). A call ``pinned`` to another replica (the one that holds the
+        request's prefix died, and Serve routed it elsewhere) fails as a replica failure."""
+        if pinned is not None and pinned != replica_id():
+            raise PrefixLost("the decode replica holding this request's prefix is gone")
         yield Accepted(replica_id())
         async for item in heartbeats(items, self.heartbeat_s, self.engine.is_alive):
+            yield item
+
+    async def generate(self, request: GenerationRequest, pinned: str | None = None
+                       ) -> AsyncIterator[Accepted | Heartbeat | RequestOutput]:
+        """The whole request in this engine: colocated, or D prefilling locally (``pinned`` to
+        the D replica whose prefix hold it uses, deployments/routing.py)."""
+        lora = await self.loras.adapter(request.lora)
+        async for item in self._streamed(self.engine.generate(request, lora), pinned):
             yield item
 
 
@@ -86,39 +113,59 @@ class _StreamingServer(_EngineServer):
 class LLMServer(_StreamingServer):
     """Prefill and decode in one engine: small deployments, and the baseline for PD."""
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Accepted | Heartbeat | RequestOutput]:
-        lora = await self.loras.adapter(request.lora)
-        async for item in self._streamed(self.engine.generate(request, lora)):
-            yield item
 
-
-@serve.deployment(ray_actor_options={"num_cpus": 1})
+@serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
 class PrefillServer(_EngineServer):
     def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int) -> None:
         super().__init__(engine_config, lora_store, max_loras)
         self.kv = ObjectStoreConnector()
 
-    async def prefill(self, request: GenerationRequest) -> AsyncIterator:
-        """P's reply, then, unless the first token ended every choice, the prompt's KV (the
-        connector's items: deployments/kv_connector.py)."""
+    async def prefill(self, request: GenerationRequest, kv_export_start: int = 0) -> AsyncIterator:
+        """P's reply, then, unless the first token ended every choice, the prompt's KV from
+        token ``kv_export_start`` on (D holds the ones before; the connector's items:
+        deployments/kv_connector.py)."""
         lora = await self.loras.adapter(request.lora)
-        for item in self.kv.send(await self.engine.prefill(request, lora=lora)):
+        for item in self.kv.send(await self.engine.prefill(request, kv_export_start, lora)):
             yield item
+
+    def load(self) -> dict[str, float]:
+        """P's load: the prompt tokens it has yet to compute."""
+        return {"queued_prompt_tokens": self.engine.stats().queued_prompt_tokens}
+
+
+@dataclass
+class DecodePlan:
+    """A D replica's answer before P works (``DecodeServer.plan``)."""
+
+    replica: str  # its Serve id: the request's decode or local prefill is pinned to it
+    cached_tokens: int  # leading prompt tokens it holds, kept for the request: P's KV starts there
+    kv_usage: float  # the fraction of its KV blocks held
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
 class DecodeServer(_StreamingServer):
-    def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float) -> None:
+    def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float,
+                 hold_s: float) -> None:
+        """``hold_s``: how long a prefix told to the ingress is kept for a request that does not come."""
         super().__init__(engine_config, lora_store, max_loras, heartbeat_s)
         self.kv = ObjectStoreConnector()
+        self.hold_s = hold_s
 
-    async def decode(self, request: GenerationRequest, reply: PrefillReply
+    async def plan(self, request: GenerationRequest) -> DecodePlan:
+        """How much of the request's prompt this replica's prefix cache holds, held for the
+        request (engine/prefix_holds.py), and its KV usage: the ingress decides from them where
+        the prompt is computed (deployments/disaggregation.py)."""
+        lora = await self.loras.adapter(request.lora)
+        cached = await self.engine.hold_prefix(request, lora, self.hold_s)
+        return DecodePlan(replica_id(), cached, self.engine.stats().kv_cache_usage)
+
+    async def decode(self, request: GenerationRequest, reply: PrefillReply, pinned: str | None = None
                      ) -> AsyncIterator[Accepted | Heartbeat | KVTransfer | RequestOutput]:
         """Take the request (``Accepted`` at once: the ingress's lease ends there), queue it in the
         engine without its KV, load the KV once the engine holds blocks for it (``KVWanted``), then
         stream the tokens after the first. Yields the load's KVTransfer (for the request's trace)
-        before them."""
-        async for item in self._streamed(self._decoded(request, reply)):
+        before them. ``pinned``: the replica whose prefix P's KV continues."""
+        async for item in self._streamed(self._decoded(request, reply), pinned):
             yield item
 
     async def _decoded(self, request: GenerationRequest, reply: PrefillReply) -> AsyncIterator:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator
 
 from engine.config import EngineConfig
@@ -42,6 +43,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
     prefix_cache_hits: int  # of those, tokens found
     prompt_tokens_computed: int  # prompt tokens run through the model since start (hits and imports are not)
+    queued_prompt_tokens: int  # prompt tokens waiting to run through the model (Scheduler.queued_prompt_tokens)
     spec_decode_num_drafts: int  # steps of a sequence that verified draft tokens (engine/speculative.py)
     spec_decode_num_draft_tokens: int  # draft tokens verified
     spec_decode_num_accepted_tokens: int  # of those, the ones that stood
@@ -89,6 +91,17 @@ class AsyncEngine:
         async for output in self._submit(request, Mode.DECODE, prefill, lora):
             yield output
 
+    async def hold_prefix(self, request: GenerationRequest, lora: LoraAdapter | None, hold_s: float) -> int:
+        """The leading tokens of ``request``'s prompt that this engine's prefix cache holds, kept
+        for the request until it ends or for ``hold_s`` if it does not come (LLMEngine.hold_prefix).
+        Answered by the engine thread between two steps."""
+        self.engine.validate(request, lora=lora)
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        self._commands.put(("hold", request, lora, time.time() + hold_s, loop, answer))
+        self._wake.set()
+        return await answer
+
     def receive_kv(self, request_id: str, data) -> None:
         self._commands.put(("kv", request_id, data))
         self._wake.set()
@@ -109,8 +122,9 @@ class AsyncEngine:
         counts = blocks.counts()
         return EngineStats(counts.total, counts.held, counts.cached, waiting, len(scheduler.running),
                            dict(self._finished), blocks.prefix_queries, blocks.prefix_hits,
-                           scheduler.num_prompt_tokens_computed, drafter.num_drafts, drafter.num_draft_tokens,
-                           drafter.num_accepted_tokens, self.engine.dtype)
+                           scheduler.num_prompt_tokens_computed, scheduler.queued_prompt_tokens(),
+                           drafter.num_drafts, drafter.num_draft_tokens, drafter.num_accepted_tokens,
+                           self.engine.dtype)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -159,8 +173,9 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopped:
             if not self.engine.has_work() and self._commands.empty():
-                # Requests waiting for their KV still expire at their deadline.
-                self._wake.wait(RECEIVING_POLL_S if self.engine.scheduler.receiving else None)
+                # Requests waiting for their KV still expire at their deadline, prefix holds at theirs.
+                polls = self.engine.scheduler.receiving or len(self.engine.holds)
+                self._wake.wait(RECEIVING_POLL_S if polls else None)
             self._wake.clear()
             self._drain_commands()
             try:
@@ -189,6 +204,13 @@ class AsyncEngine:
                     self.engine.add_request(request, mode, prefill, kv_export_start, lora)
                 except Exception as error:
                     self._deliver(request.request_id, error)
+            elif command[0] == "hold":
+                _, request, lora, until, loop, answer = command
+                try:
+                    result = self.engine.hold_prefix(request, lora, until)
+                except Exception as error:
+                    result = error
+                loop.call_soon_threadsafe(_settle, answer, result)
             elif command[0] == "kv":
                 self.engine.receive_kv(command[1], command[2])
             else:
@@ -207,3 +229,13 @@ class AsyncEngine:
         if stream is not None:
             loop, outputs = stream
             loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+
+def _settle(future: asyncio.Future, result) -> None:
+    """Set a future from the engine thread's answer (an exception is raised to its awaiter)."""
+    if future.done():  # its awaiter was cancelled
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

@@ -172,14 +172,25 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s hold on its blocks. Keyed ones stay cached, the tail's blocks ahead of
         the prompt's in eviction order (a prefix is worth more than the end of one request)."""
-        for block in reversed(seq.block_table):
+        self.release(reversed(seq.block_table))
+        seq.block_table = []
+
+    def hold(self, blocks: list[int]) -> None:
+        """One more reference to each of ``blocks`` (cached ones are revived): none is evicted
+        until ``release``. For a prefix held for a request that has not arrived (engine/prefix_holds.py)."""
+        for block in blocks:
+            self._hold(block)
+
+    def release(self, blocks) -> None:
+        """Drop one reference to each of ``blocks``, in order: a keyed block nobody holds is cached
+        (evicted in that order), an unkeyed one is free."""
+        for block in blocks:
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
                 if self.block_key[block] is not None:
                     self._cached[block] = None
                 else:
                     self._free.append(block)
-        seq.block_table = []
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached, unheld block's content (e.g. after new weights); blocks dropped."""

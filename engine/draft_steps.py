@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.model_runner import StepResult
-from engine.request import GenerationRequest, Mode, Sequence
+from engine.request import GenerationRequest, Sequence
 from engine.scheduler import ScheduledBatch
 from engine.speculative import accepted_length
 from sampling import SamplingRow
@@ -43,8 +43,8 @@ class DraftSteps:
 
     def _draft_room(self, seq: Sequence) -> int:
         """Drafts worth verifying: the tokens ``seq`` may still produce, less the one every step makes."""
-        own = seq.num_output_tokens - (1 if seq.mode is Mode.DECODE else 0)  # as _finish_reason counts
-        left = min(seq.params.max_new_tokens - seq.num_output_tokens, self.config.max_iter_times - own,
+        left = min(seq.params.max_new_tokens - seq.num_output_tokens,
+                   self.config.max_iter_times - self._capped_tokens(seq),
                    self.max_model_len - seq.num_tokens)
         return left - 1
 

@@ -38,6 +38,7 @@ from engine.kv_transfer import KVPayload, check_compatible
 from engine.loader import load_model
 from engine.lora import LoraAdapter, ModelShape
 from engine.model_runner import ModelRunner, StepResult, kv_pool_blocks
+from engine.prefix_holds import PrefixHolds
 from engine.outputs import (ABORT, EOS, LENGTH, STOP, TIMEOUT, ChoiceStart, PrefillResult, RequestOutput,
                             TokenLogprob)
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
@@ -74,6 +75,7 @@ class LLMEngine(BeamSteps, DraftSteps):
         # A request can never hold more KV than the whole pool: past that it would preempt itself forever.
         self.max_model_len = min(self.loaded.max_model_len, self.blocks.num_blocks * config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.holds = PrefixHolds(self.blocks)
         self.runner = ModelRunner(self.loaded, self.blocks, config)
         self.runner.warm_up(config.max_num_batched_tokens)
         self.drafter = Drafter(config)
@@ -172,6 +174,18 @@ class LLMEngine(BeamSteps, DraftSteps):
             self._beams[request.request_id] = self._beam_group(seq, prefill)
         self.scheduler.add(seq)
 
+    def hold_prefix(self, request: GenerationRequest, lora: LoraAdapter | None, until: float) -> int:
+        """D, before P works: how many leading tokens of ``request``'s prompt (and resumed output)
+        this engine's prefix cache holds, the token P's KV may begin at (``kv_export_start``).
+        Their blocks are held for the request until it ends, or until ``until`` if it does not
+        come (engine/prefix_holds.py)."""
+        self.validate(request, lora=lora)
+        probe = Sequence(request, 0, -1, Mode.DECODE, until, self._kv_namespace, 0, lora)
+        probe.token_ids.append(0)  # as D admits it: with P's first token, so the last prompt block can hit
+        hits = self.blocks.computed_prefix(probe)
+        self.holds.hold(request.request_id, hits, until)
+        return len(hits) * self.config.block_size
+
     def take_kv_wanted(self) -> list[str]:
         """The requests admitted since the last call whose KV bytes must now be fetched (DECODE
         requests added with ``prefill.kv.data`` None: their blocks are held for it)."""
@@ -210,8 +224,11 @@ class LLMEngine(BeamSteps, DraftSteps):
         detok.add(choice.first_token_id)
 
     def abort(self, request_id: str, reason: str = ABORT) -> list[RequestOutput]:
-        """End every choice of a request wherever it is and free its blocks; [] if it is not here."""
-        return [out for seq in self._choices(request_id) for out in self._finish(seq, reason, [], "", [])]
+        """End every choice of a request wherever it is and free its blocks, and its prefix hold;
+        [] if it is not here."""
+        outputs = [out for seq in self._choices(request_id) for out in self._finish(seq, reason, [], "", [])]
+        self.holds.drop(request_id)
+        return outputs
 
     def _choices(self, request_id: str) -> list[Sequence]:
         return [seq for (rid, _), seq in self._seqs.items() if rid == request_id]
@@ -267,6 +284,7 @@ class LLMEngine(BeamSteps, DraftSteps):
         return [own] + [c for c in seq.pending_choices if c.first_token_id is None]
 
     def _expire(self, now: float) -> list[RequestOutput]:
+        self.holds.expire(now, lambda request_id: bool(self._choices(request_id)))
         expired = [seq for seq in self._seqs.values() if now >= seq.deadline]
         return [out for seq in expired for out in self._finish(seq, TIMEOUT, [], "", [])]
 
@@ -395,13 +413,17 @@ class LLMEngine(BeamSteps, DraftSteps):
         output = seq.output_ids
         if stopped or any(output[-len(s):] == s for s in p.stop_token_ids):
             return STOP
-        # In DECODE mode P's first token is not this engine's: the server cap counts D's own.
-        own = seq.num_output_tokens - (1 if seq.mode is Mode.DECODE else 0)
-        if seq.num_output_tokens >= p.max_new_tokens or own >= self.config.max_iter_times:
+        if seq.num_output_tokens >= p.max_new_tokens or self._capped_tokens(seq) >= self.config.max_iter_times:
             return LENGTH
         if seq.num_tokens >= self.max_model_len:
             return LENGTH
         return None
+
+    def _capped_tokens(self, seq: Sequence) -> int:
+        """The output tokens of ``seq`` that the server cap (max_iter_times) counts: on D, the
+        first is P's (MindIE counts P's and D's tokens)."""
+        decode_side = seq.mode is Mode.DECODE or self.config.first_token_from_prefill
+        return seq.num_output_tokens - (1 if decode_side and seq.num_output_tokens else 0)
 
     def _hand_over(self, seq: Sequence, firsts: list[tuple[PendingChoice, Sampled]]) -> list[RequestOutput]:
         """PREFILL mode, the prompt computed: each choice reports its first token; those that it
@@ -484,6 +506,8 @@ class LLMEngine(BeamSteps, DraftSteps):
         del self._seqs[seq.key]
         self._detokenizers.pop(seq.key, None)  # beams after the first have none: text is made at the end
         self._matchers.pop(seq.key, None)
+        if seq.request_id in self.holds and not self._choices(seq.request_id):
+            self.holds.drop(seq.request_id)
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob],
                 finished: bool, logits: np.ndarray | None = None) -> RequestOutput:

@@ -71,6 +71,12 @@ class Scheduler:
         requests and arriving KV wake the engine's loop, which then steps)."""
         return bool(self.running or self._arrived or (self._waiting and not self.receiving))
 
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens still to run through the model: waiting prompts (not those whose KV comes
+        imported) and the rest of running ones. P's autoscaling signal."""
+        waiting = sum(seq.num_tokens for _, seq in self._waiting if seq.pending_kv is None)
+        return waiting + sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in self.running)
+
     def kv_arrived(self, seq: Sequence) -> None:
         """A receiving sequence's KV bytes are in ``seq.pending_kv``: it runs from the next step."""
         self.receiving.remove(seq)

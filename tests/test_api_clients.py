@@ -33,7 +33,8 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 @pytest.fixture(scope="module")
 def base_url():
     with serve_session() as url:
-        serve.run(pd_app({"torch_threads": 1, "max_iter_times": CAP, "dtype": "float32"}), name="pd",
+        serve.run(pd_app({"torch_threads": 1, "max_iter_times": CAP, "dtype": "float32",
+                          "pd_local_prefill_tokens": 0}), name="pd",
                   route_prefix="/")
         yield url
 

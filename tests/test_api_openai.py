@@ -26,7 +26,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 @pytest.fixture(scope="module")
 def base_url():
     with serve_session() as url:
-        common = {"torch_threads": 1, "max_iter_times": CAP}
+        common = {"torch_threads": 1, "max_iter_times": CAP, "pd_local_prefill_tokens": 0}
         serve.run(pd_app(common), name="pd", route_prefix="/pd")
         serve.run(colocated_app({**common, "embeddings": False}), name="co", route_prefix="/co")  # pd embeds
         yield url

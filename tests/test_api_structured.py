@@ -25,7 +25,7 @@ APPS = ["pd", "co"]
 @pytest.fixture(scope="module")
 def base_url():
     with serve_session() as url:
-        common = {"torch_threads": 1, "max_iter_times": CAP, "embeddings": False}
+        common = {"torch_threads": 1, "max_iter_times": CAP, "embeddings": False, "pd_local_prefill_tokens": 0}
         serve.run(pd_app(common), name="pd", route_prefix="/pd")
         serve.run(colocated_app(common), name="co", route_prefix="/co")
         yield url

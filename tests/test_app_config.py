@@ -1,6 +1,8 @@
 """Application arguments, serve configs and the cluster definition, checked without starting Ray."""
 
+import importlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pydantic
 import pytest
@@ -40,6 +42,27 @@ def test_pd_autoscale_puts_p_and_d_on_their_node_types():
         scaling = deployments[name]["autoscaling_config"]
         assert scaling["max_replicas"] > scaling["min_replicas"] >= 1
         assert deployments[name]["max_ongoing_requests"] > 5
+
+
+def test_pd_autoscale_policies_scale_p_and_d_on_their_own_signals():
+    config = yaml.safe_load((ROOT / "configs" / "pd-autoscale.yaml").read_text())
+    deployments = {d["name"]: d for d in config["applications"][0]["deployments"]}
+
+    def policy(name: str):
+        spec = deployments[name]["autoscaling_config"]["policy"]
+        module, _, attr = spec["policy_function"].partition(":")
+        return getattr(importlib.import_module(module), attr)(**spec["policy_kwargs"])
+
+    def ctx(**metrics):
+        return SimpleNamespace(aggregated_metrics=metrics, target_num_replicas=2)
+
+    prefill, decode = policy("PrefillServer"), policy("DecodeServer")
+    assert prefill(ctx(queued_prompt_tokens={"a": 6000.0, "b": 5000.0})) == (3, {})  # 11000 tokens / 4096
+    assert prefill(ctx()) == (2, {})  # nothing reported yet: no change
+    assert decode(ctx(requests={"a": 40.0, "b": 30.0}, kv_usage={"a": 0.2, "b": 0.2})) == (3, {})  # 70 / 32
+    assert decode(ctx(requests={"a": 10.0, "b": 10.0}, kv_usage={"a": 0.9, "b": 0.9})) == (3, {})  # 1.8 / 0.7
+    with pytest.raises(ValueError, match="target_queued_prompt_tokens"):
+        type(prefill)(target_queued_prompt_tokens=0)
 
 
 def as_serve_run(builder, args: dict):

@@ -20,6 +20,7 @@ from ray import serve
 
 from deployments.app import colocated_app, pd_app
 from deployments.backends import PDBackend
+from deployments.config import AppArgs
 from deployments.errors import APIError, client_error
 from engine.request import GenerationRequest
 from sampling import SamplingParams
@@ -38,7 +39,7 @@ def base_url():
         # float32: a migrated stream recomputes its tokens' KV in one prefill, and only fp32 makes that
         # equal to the KV the decode steps wrote (in bf16, greedy choices between near-ties may flip).
         serve.run(pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
-                          "kv_lease_s": KV_LEASE_S, "stall_timeout_s": STALL_TIMEOUT_S},
+                          "kv_lease_s": KV_LEASE_S, "stall_timeout_s": STALL_TIMEOUT_S, "pd_local_prefill_tokens": 0},
                          decode_options={"num_replicas": DECODE_REPLICAS}), name="pd", route_prefix="/")
         serve.run(colocated_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32"}),
                   name="co", route_prefix="/co")
@@ -201,7 +202,8 @@ def test_prefill_killed_after_its_reply_before_decode_fetched_the_kv(base_url):
     """Through the ingress's own seam (PDBackend), so that nothing stands between P's reply and
     D's call but the fault: P answers, P's process is SIGKILLed and gone, then D fetches the KV."""
     backend = PDBackend(serve.get_deployment_handle("PrefillServer", "pd"),
-                        serve.get_deployment_handle("DecodeServer", "pd"), KV_LEASE_S, STALL_TIMEOUT_S)
+                        serve.get_deployment_handle("DecodeServer", "pd"), KV_LEASE_S, STALL_TIMEOUT_S,
+                        AppArgs().disaggregation)
     params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
     # A prompt whose KV is larger than what Ray inlines (100 KiB): it lives in P's node's object store.
     prompt = [1] + [(7 * i) % 800 + 3 for i in range(600)]

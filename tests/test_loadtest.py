@@ -22,7 +22,7 @@ def base_url():
         yield url
 
 
-@pytest.mark.parametrize("endpoint,load", [("infer_token", ["--request-rate", "20"]),
+@pytest.mark.parametrize("endpoint,load", [("infer_token", ["--request-rate", "20", "--sample-replicas", "0.1"]),
                                            ("chat", ["--concurrency", "4"]),
                                            ("completions", ["--request-rate", "30", "--burstiness", "0.5"])])
 def test_short_load_accounts_for_every_request(base_url, tmp_path, endpoint, load):
@@ -41,6 +41,12 @@ def test_short_load_accounts_for_every_request(base_url, tmp_path, endpoint, loa
     assert set(result["per_priority"]) == {"1", "5"}
     assert sum(r["completed"] for r in result["per_priority"].values()) == 12
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {"latency_cdf.png", "ttft_by_priority.png"}
+    if "--sample-replicas" in load:  # the first sample is read as the load starts
+        first = result["replicas"]["samples"][0]
+        assert first["PrefillServer"] == first["DecodeServer"] == 1 and first["Ingress"] == 1
+        assert result["replicas"].get("mean_pd_ratio", 1.0) == 1.0
+    else:
+        assert "replicas" not in result
 
 
 def test_sweep_writes_one_run_per_rate_and_its_plot(base_url, tmp_path):

@@ -29,7 +29,7 @@ def custom_pd(args: dict, decode_config: dict, decode_cpus: float):
     prefill = PrefillServer.options(ray_actor_options={"num_cpus": 0}).bind(args.engine_config(), None, args.max_loras)
     decode_args = args.model_copy(update=decode_config)
     decode = DecodeServer.options(ray_actor_options={"num_cpus": decode_cpus})
-    decode = decode.bind(decode_args.engine_config(), None, args.max_loras, decode_args.heartbeat_s)
+    decode = decode.bind(decode_args.engine_config(), None, args.max_loras, decode_args.heartbeat_s, args.kv_lease_s)
     return Ingress.bind(args, prefill=prefill, decode=decode)
 
 
@@ -40,10 +40,12 @@ def base_url():
     try:
         with serve_session(num_cpus=2) as url:
             # The default PD app (P and D: one CPU each) and the embedder, on 2 CPUs: it must place.
-            serve.run(pd_app({"torch_threads": 1, "traces_exporter": "console"}), name="pd", route_prefix="/pd")
+            serve.run(pd_app({"torch_threads": 1, "traces_exporter": "console", "pd_local_prefill_tokens": 0}),
+                      name="pd", route_prefix="/pd")
             # D cannot hold the canary's 32-token prompt: one KV block of 16 tokens.
-            serve.run(custom_pd({"torch_threads": 1, "embeddings": False}, {"num_blocks": 1}, 0), name="smalld",
-                      route_prefix="/smalld")
+            smalld = custom_pd({"torch_threads": 1, "embeddings": False, "pd_local_prefill_tokens": 0},
+                               {"num_blocks": 1}, 0)
+            serve.run(smalld, name="smalld", route_prefix="/smalld")
             # D asks for more CPUs than the cluster has: never placed.
             serve._run(custom_pd({"torch_threads": 1, "embeddings": False}, {}, 8), name="unplaced",
                        route_prefix="/unplaced", _blocking=False)

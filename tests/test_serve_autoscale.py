@@ -13,8 +13,11 @@ pytestmark = pytest.mark.slow
 
 BURST = 16
 WAVES = 6
-AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "metrics_interval_s": 0.5,
-               "look_back_period_s": 1.0, "upscale_delay_s": 0.5, "downscale_delay_s": 3.0}
+# D scales on its own signal (deployments/autoscaling.py): the requests it runs or queues.
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "metrics_interval_s": 0.5, "look_back_period_s": 1.0,
+               "upscale_delay_s": 0.5, "downscale_delay_s": 3.0,
+               "policy": {"policy_function": "deployments.autoscaling:DecodeScaling",
+                          "policy_kwargs": {"target_requests": 2}}}
 
 
 def running_replicas(deployment: str) -> int:
@@ -24,7 +27,7 @@ def running_replicas(deployment: str) -> int:
 
 def test_decode_scales_out_and_back():
     with serve_session() as url:
-        app = pd_app({"torch_threads": 1},
+        app = pd_app({"torch_threads": 1, "pd_local_prefill_tokens": 0},
                            decode_options={"autoscaling_config": AUTOSCALING, "ray_actor_options": {"num_cpus": 1}})
         serve.run(app, name="pd", route_prefix="/pd")
         assert running_replicas("DecodeServer") == 1

@@ -37,8 +37,8 @@ def adapter_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def base_url(adapter_dirs):
     with serve_session() as url:
-        args = {"torch_threads": 1, "embeddings": False, "lora_modules": f"style={adapter_dirs['style']}",
-                "max_lora_tasks": MAX_TASKS}
+        args = {"torch_threads": 1, "embeddings": False, "pd_local_prefill_tokens": 0,
+                "lora_modules": f"style={adapter_dirs['style']}", "max_lora_tasks": MAX_TASKS}
         serve.run(pd_app(args), name="pd", route_prefix="/pd")
         serve.run(colocated_app(args), name="co", route_prefix="/co")
         yield url

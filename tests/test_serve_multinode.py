@@ -25,7 +25,7 @@ def cluster():
 def test_p_and_d_on_their_nodes_and_output_matches_colocated(cluster):
     cluster, node_ids = cluster
     with serve_session(address=cluster.address) as url:
-        args = {"torch_threads": 1}
+        args = {"torch_threads": 1, "pd_local_prefill_tokens": 0}
         serve.run(pd_app(args, prefill_options={"ray_actor_options": {"num_cpus": 1, "resources": {"prefill": 1}}},
                                decode_options={"ray_actor_options": {"num_cpus": 1, "resources": {"decode": 1}}}),
                   name="pd", route_prefix="/pd")

@@ -22,7 +22,8 @@ MAX_LOGITS_FLOATS = 5000  # the cap apps': 5 rows of tiny-llama's 891 logits fit
 @pytest.fixture(scope="module")
 def base_url():
     with serve_session() as url:
-        common = {"torch_threads": 1, "embeddings": False}  # no test here embeds: four replicas fewer to start
+        # no test here embeds: four replicas fewer to start; every prompt goes through P (none is prefilled on D)
+        common = {"torch_threads": 1, "embeddings": False, "pd_local_prefill_tokens": 0}
         serve.run(pd_app(common), name="pd", route_prefix="/pd")
         serve.run(colocated_app(common), name="co", route_prefix="/co")
         capped = {**common, "max_iter_times": CAP, "max_logits_floats": MAX_LOGITS_FLOATS}
@@ -127,12 +128,13 @@ def test_expired_deadline_ends_the_request_and_frees_blocks(base_url):
 def test_kv_transfers_are_measured(base_url):
     handle = serve.get_deployment_handle("DecodeServer", app_name="pd")
     before = handle.kv_transfers.remote().result()
-    infer(base_url, "pd", PROMPTS[1], max_new_tokens=4)
+    fresh = list(range(200, 250))  # a prompt D holds none of: its whole KV is sent
+    infer(base_url, "pd", fresh, max_new_tokens=4)
     after = handle.kv_transfers.remote().result()
     info = handle.info.remote().result()
     assert after["count"] == before["count"] + 1
     # tiny-llama: 4 layers x (k, v) x 50 tokens x 4 KV heads x 32 dims x the dtype's bytes ("auto": the CPU's)
-    assert after["bytes"] - before["bytes"] == 4 * 2 * len(PROMPTS[1]) * 4 * 32 * element_size(info.dtype)
+    assert after["bytes"] - before["bytes"] == 4 * 2 * len(fresh) * 4 * 32 * element_size(info.dtype)
     assert after["seconds"] > before["seconds"] and info.model_id
 
 

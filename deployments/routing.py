@@ -1,0 +1,146 @@
+"""Which replica of an engine deployment takes a call: prefix affinity weighed against load.
+
+``EngineRouter`` is the Ray Serve request router of P, D and the colocated engine; it runs in
+the ingress's process. For a call:
+
+1. pinned to a replica (the ``pinned`` keyword: D's decode and local prefill go to the D replica
+   that said how much of the prompt it holds, deployments/backends.py): that replica;
+2. else, among the replicas no stream found stalled (deployments/liveness.py), the one that was
+   sent the most of the prompt's start (a prefix index per deployment, as Ray Serve LLM's
+   prefix-aware router and SGLang's router keep one), the less loaded of equals; unless the
+   replicas' loads differ by more than a bound, when the least loaded comes first (Ray Serve
+   LLM's rule). Load is what the replica last reported (``record_routing_stats``: P's queued
+   prompt tokens; D's and colocated's running and waiting requests) plus what this process sent
+   it since. Ties are broken at random; the other replicas follow, best first, so Serve falls
+   back to them when the first is full.
+
+The index is a guess (a replica may have evicted a prefix since); D's own answer is exact, and is
+what P's export starts from. Priority is not the router's concern: every replica takes up to
+``max_ongoing_requests`` calls at once, and each engine's scheduler orders them by priority.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+import hashlib
+import random
+import time
+
+import numpy as np
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from engine.request import GenerationRequest
+
+AFFINITY_BLOCK = 16  # tokens per index entry (the engines' default block size)
+INDEX_ENTRIES = 1 << 17  # entries kept per deployment, least recently used forgotten first
+PREFILL_IMBALANCE_TOKENS = 4096  # P: past this spread of queued prompt tokens, load decides before affinity
+IMBALANCE_REQUESTS = 8  # D and colocated: past this spread of requests, load decides before affinity
+STATS_PERIOD_S = 0.5  # how often replicas report their load to routers
+
+
+def block_keys(request: GenerationRequest) -> list[bytes]:
+    """Chained keys of the request's full ``AFFINITY_BLOCK``-token blocks (its adapter's digest
+    first: KV made with another adapter is another prefix)."""
+    tokens = list(request.prompt_token_ids) + list(request.resumed_output_ids)
+    keys, parent = [], request.lora.digest if request.lora is not None else b""
+    for start in range(0, len(tokens) - AFFINITY_BLOCK + 1, AFFINITY_BLOCK):
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(np.asarray(tokens[start:start + AFFINITY_BLOCK], dtype=np.int64).tobytes())
+        keys.append(parent := digest.digest())
+    return keys
+
+
+class PrefixIndex:
+    """Which replicas were sent which prompt blocks."""
+
+    def __init__(self, capacity: int = INDEX_ENTRIES) -> None:
+        self.capacity = capacity
+        self._owners: OrderedDict[bytes, set[str]] = OrderedDict()
+
+    def matched_tokens(self, keys: list[bytes], replicas: list[str]) -> dict[str, int]:
+        """Per replica, the tokens of the leading blocks it was sent."""
+        matched = dict.fromkeys(replicas, 0)
+        alive = set(replicas)
+        for key in keys:
+            alive &= self._owners.get(key, set())
+            if not alive:
+                break
+            for replica in alive:
+                matched[replica] += AFFINITY_BLOCK
+        return matched
+
+    def insert(self, keys: list[bytes], replica: str) -> None:
+        for key in keys:
+            self._owners.setdefault(key, set()).add(replica)
+            self._owners.move_to_end(key)
+        while len(self._owners) > self.capacity:
+            self._owners.popitem(last=False)
+
+
+_indexes: dict[str, PrefixIndex] = {}  # deployment name -> its index (this process)
+_replica_counts: dict[str, int] = {}  # deployment name -> replicas it had at its last routing (this process)
+_sent: dict[str, list[tuple[float, float]]] = {}  # replica id -> (time.monotonic(), load) sent since its last report
+
+
+def replica_count(deployment: str) -> int:
+    """The replicas ``deployment`` had when this process last routed a call to it (1 before that)."""
+    return _replica_counts.get(deployment, 1)
+
+
+def load(replica: RunningReplica, prefill: bool, now: float) -> float:
+    """The replica's load: its last report and what this process sent it since; P's in prompt
+    tokens to compute, the others' in requests."""
+    stats = replica.routing_stats or {}
+    reported = stats.get("queued_prompt_tokens", 0) if prefill else stats.get("requests", 0)
+    rid = replica.replica_id.to_full_id_str()
+    recent = [(t, n) for t, n in _sent.get(rid, []) if now - t < 2 * STATS_PERIOD_S]
+    _sent[rid] = recent
+    return reported + sum(n for _, n in recent)
+
+
+def rank(deployment: str, request: GenerationRequest, replicas: list[RunningReplica], prefill: bool
+         ) -> list[RunningReplica]:
+    """``replicas`` best first for ``request``: by the prompt tokens each was sent, then by load,
+    unless their loads differ by more than the imbalance bound (then by load first). Records the
+    first as sent the request's prefix and its load. ``prefill``: the call is P's."""
+    index = _indexes.setdefault(deployment, PrefixIndex())
+    keys = block_keys(request)
+    ids = [r.replica_id.to_full_id_str() for r in replicas]
+    matched = index.matched_tokens(keys, ids)
+    now = time.monotonic()
+    loads = {rid: load(r, prefill, now) for rid, r in zip(ids, replicas)}
+    bound = PREFILL_IMBALANCE_TOKENS if prefill else IMBALANCE_REQUESTS
+    balanced = max(loads.values()) - min(loads.values()) <= bound
+    ties = {rid: random.random() for rid in ids}
+    order = sorted(range(len(replicas)), key=lambda i: (
+        (-matched[ids[i]], loads[ids[i]]) if balanced else (loads[ids[i]], -matched[ids[i]]), ties[ids[i]]))
+    best = ids[order[0]]
+    index.insert(keys, best)
+    _sent.setdefault(best, []).append((now, len(request.prompt_token_ids) - matched[best] if prefill else 1))
+    return [replicas[i] for i in order]
+
+
+class EngineRouter(FIFOMixin, RequestRouter):
+    """Pinned calls to their replica; the rest by prefix affinity and load (module docstring)."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        # Serve may rebuild this class from a pickle, its methods with a copy of this module's
+        # globals: read the index and the marks from the imported modules, the ones the ingress writes.
+        from deployments import liveness, routing
+
+        if not candidate_replicas:
+            return []
+        routing._replica_counts[self._deployment_id.name] = len(candidate_replicas)
+        pinned = pending_request.kwargs.get("pinned") if pending_request is not None else None
+        if pinned:
+            chosen = [r for r in candidate_replicas if r.replica_id.to_full_id_str() == pinned]
+            if chosen:
+                return [chosen]
+        live = liveness.preferred(candidate_replicas)
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if not isinstance(request, GenerationRequest):
+            return [random.sample(live, min(2, len(live)))]
+        prefill = pending_request.metadata.call_method == "prefill"
+        ranked = routing.rank(self._deployment_id.name, request, live, prefill)
+        return [ranked[:1], ranked[1:]] if len(ranked) > 1 else [ranked]

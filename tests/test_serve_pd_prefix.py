@@ -1,0 +1,177 @@
+"""Prefix-aware PD on a real Ray Serve, over HTTP: decode-side reuse and local prefill give a cold
+engine's tokens, a prefix D holds is not sent again (bytes counted), the policy chooses as
+configured, priority holds across P, the hand-off and D under a saturating load, and every block
+comes back. tests/test_pd_prefix.py has the engines' side."""
+
+import asyncio
+import re
+
+import httpx
+import pytest
+from ray import serve
+
+from deployments.app import pd_app
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationRequest
+from sampling import SamplingParams
+from tests.serving import element_size, migrations, serve_session, sse_events, wait_until
+
+pytestmark = pytest.mark.slow
+
+THRESHOLD = 20  # the "pd" app's pd_local_prefill_tokens
+APPS = {  # float64: reused and recomputed KV agree to the last bit, whatever the chunking
+    "pd": {"pd_local_prefill_tokens": THRESHOLD},
+    "off": {"pd_local_prefill_tokens": 0, "pd_decode_prefix_reuse": False},
+    "local": {"pd_local_prefill_tokens": 100_000},
+}
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    with serve_session(num_cpus=12) as url:
+        for name, args in APPS.items():
+            serve.run(pd_app({"torch_threads": 1, "embeddings": False, "dtype": "float64", **args}),
+                      name=name, route_prefix=f"/{name}")
+        serve.run(pd_app({"torch_threads": 1, "embeddings": False, "dtype": "float64", "pd_local_prefill_tokens": 0},
+                         decode_options={"num_replicas": 2}), name="two", route_prefix="/two")
+        serve.run(pd_app({"torch_threads": 1, "embeddings": False, "dtype": "float64", "max_num_seqs": 2,
+                          "pd_local_prefill_tokens": 0}), name="prio", route_prefix="/prio")
+        yield url
+
+
+def infer(url: str, app: str, prompt: list[int], **parameters) -> list[int]:
+    """The tokens /infer_token streams for ``prompt``."""
+    body = {"input_id": prompt, "stream": True, "parameters": {"ignore_eos": True, **parameters}}
+    response = httpx.post(f"{url}/{app}/infer_token", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return [event["token"]["id"] for event in sse_events(response)]
+
+
+def metric(url: str, app: str, name: str, labels: str) -> float:
+    text = httpx.get(f"{url}/{app}/metrics", timeout=30).text
+    found = re.search(rf"^{name}{{{re.escape(labels)}}} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def stats(app: str, deployment: str):
+    return serve.get_deployment_handle(deployment, app_name=app).stats.remote().result()
+
+
+def kv_bytes(app: str) -> int:
+    return serve.get_deployment_handle("DecodeServer", app_name=app).kv_transfers.remote().result()["bytes"]
+
+
+def conversation(run, parameters: dict, salt: int, turns: int = 4) -> tuple[list[list[int]], list[int]]:
+    """(each turn's output, each turn's prompt length): a 60-token system prompt, then each
+    prompt is the one before, its answer and 30 new tokens; ``salt`` makes them this test's own."""
+    history, outputs, lengths = [(11 * i + salt) % 800 + 3 for i in range(60)], [], []
+    for k in range(turns):
+        history += [(13 * k + 5 * j + salt) % 800 + 3 for j in range(30)]
+        turn = {**parameters, "seed": parameters["seed"] + k} if "seed" in parameters else parameters
+        outputs.append(run(list(history), turn))
+        lengths.append(len(history))
+        history += outputs[-1]
+    return outputs, lengths
+
+
+@pytest.mark.parametrize("salt, parameters", [
+    (0, {"max_new_tokens": 8, "do_sample": False, "temperature": 1.0}),
+    (1, {"max_new_tokens": 8, "do_sample": True, "temperature": 1.0, "top_k": 40, "seed": 21}),
+], ids=["greedy", "seeded"])
+def test_reuse_and_local_prefill_give_a_cold_engines_tokens_and_send_only_what_d_lacks(base_url, salt, parameters):
+    cold_engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float64", enable_prefix_caching=False))
+
+    def cold(prompt, p):
+        params = SamplingParams(max_new_tokens=p["max_new_tokens"], ignore_eos=True, do_sample=p["do_sample"],
+                                temperature=p["temperature"], top_k=p.get("top_k", 0), seed=p.get("seed"))
+        return cold_engine.generate([GenerationRequest("cold", prompt, params)])["cold"].output_token_ids
+
+    want, lengths = conversation(cold, parameters, salt)
+    before = {app: kv_bytes(app) for app in APPS}
+    remote_before = metric(base_url, "pd", "pdserve_pd_prefill_decisions", 'reason="remote",where="prefill"')
+    for app in APPS:
+        got, _ = conversation(lambda prompt, p: infer(base_url, app, prompt, **p), parameters, salt)
+        assert got == want, app
+    sent = {app: kv_bytes(app) - before[app] for app in APPS}
+    per_token = 4 * 2 * 4 * 32 * element_size("float64")  # tiny-llama: layers, (k, v), KV heads, head dim
+    assert sent["off"] == per_token * sum(lengths)  # every turn's whole prompt
+    # With reuse, a turn is sent only what D lacks: D holds every full block of the turn before
+    # (its prompt and answer, less the answer's last token, whose KV was never computed).
+    held = [0] + [(lengths[k - 1] + 8 - 1) // 16 * 16 for k in range(1, 4)]
+    assert sent["pd"] == per_token * sum(n - h for n, h in zip(lengths, held))
+    assert sent["pd"] * 2 < sent["off"]
+    assert sent["local"] == 0  # D computed every prompt: nothing crossed
+    assert metric(base_url, "pd", "pdserve_pd_prefill_decisions", 'reason="remote",where="prefill"') \
+        == remote_before + 4
+    assert metric(base_url, "pd", "pdserve_pd_prompt_tokens", 'source="decode_cache"') >= sum(held)
+
+
+def test_with_two_decode_replicas_each_turn_goes_where_its_history_is(base_url):
+    """The router sends each turn's plan to the D replica that was sent the conversation so far
+    (prefix affinity), and the decode call to the replica that answered (pinned): every turn
+    finds the turn before in D's cache, and nothing migrates."""
+    parameters = {"max_new_tokens": 8, "do_sample": False, "temperature": 1.0}
+    cold_engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float64", enable_prefix_caching=False))
+
+    def cold(prompt, p):
+        params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+        return cold_engine.generate([GenerationRequest("cold", prompt, params)])["cold"].output_token_ids
+
+    held_before = metric(base_url, "two", "pdserve_pd_prompt_tokens", 'source="decode_cache"')
+    for salt in (5, 6, 7):  # three conversations, spread over the two replicas by load
+        got, lengths = conversation(lambda prompt, p: infer(base_url, "two", prompt, **p), parameters, salt)
+        assert got == conversation(cold, parameters, salt)[0]
+    held = sum((lengths[k - 1] + 8 - 1) // 16 * 16 for k in range(1, 4))  # the same lengths for each salt
+    assert metric(base_url, "two", "pdserve_pd_prompt_tokens", 'source="decode_cache"') - held_before == 3 * held
+    assert migrations(f"{base_url}/two") == 0
+
+
+def test_the_policy_chooses_as_configured_and_says_so_in_metrics(base_url):
+    def decisions(reason, where="decode"):
+        return metric(base_url, "pd", "pdserve_pd_prefill_decisions", f'reason="{reason}",where="{where}"')
+
+    transfers = serve.get_deployment_handle("DecodeServer", app_name="pd").kv_transfers
+    short, cached, remote = decisions("short_prompt"), decisions("cached_prefix"), decisions("remote", "prefill")
+    count = transfers.remote().result()["count"]
+    assert len(infer(base_url, "pd", list(range(3, 3 + THRESHOLD)), max_new_tokens=3)) == 3  # at the threshold
+    assert (decisions("short_prompt"), transfers.remote().result()["count"]) == (short + 1, count)
+    long_prompt = [(7 * i) % 800 + 5 for i in range(70)]  # past it, and D holds none of it: P computes it
+    infer(base_url, "pd", long_prompt, max_new_tokens=3)
+    assert (decisions("remote", "prefill"), transfers.remote().result()["count"]) == (remote + 1, count + 1)
+    # D now holds the 64 tokens of its first 4 blocks: 10 more are within the threshold, D computes them.
+    infer(base_url, "pd", long_prompt[:64] + [9] * 10, max_new_tokens=3)
+    assert (decisions("cached_prefix"), transfers.remote().result()["count"]) == (cached + 1, count + 1)
+
+
+def test_priority_holds_across_p_the_hand_off_and_d_under_a_saturating_load(base_url):
+    """D runs 2 sequences at a time. Six priority-5 requests fill it and its queue; then two
+    priority-1 requests come: each is admitted at D's next free slot, ahead of every waiting
+    priority-5 one, and its KV is fetched then (D fetches a request's KV when it admits it)."""
+    order: list[str] = []
+
+    async def one(client, name, priority, tokens):
+        body = {"input_id": [5 + int(name[-1]) + 10 * priority, 6, 7, 8] * 8, "parameters": {
+            "max_new_tokens": tokens, "ignore_eos": True, "priority": priority}}
+        response = await client.post(f"{base_url}/prio/infer_token", json=body)
+        assert response.status_code == 200, response.text
+        order.append(name)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            low = [asyncio.create_task(one(client, f"low{i}", 5, 160)) for i in range(6)]
+            saturated = await asyncio.to_thread(wait_until, lambda: (
+                stats("prio", "DecodeServer").running == 2
+                and stats("prio", "DecodeServer").waiting_by_priority[5] == 4), 60, 0.05)
+            assert saturated, "D should run two priority-5 requests and queue four"
+            high = [asyncio.create_task(one(client, f"high{i}", 1, 4)) for i in range(2)]
+            await asyncio.gather(*low, *high)
+
+    asyncio.run(run())
+    # Both priority-1 requests end before the third priority-5 one: they were admitted ahead of
+    # every priority-5 one that waited (the first two ran already).
+    lows = [name for name in order if name.startswith("low")]
+    assert max(order.index("high0"), order.index("high1")) < order.index(lows[2]), order
+    for app in ("prio", "two", *APPS):
+        for deployment in ("PrefillServer", "DecodeServer"):
+            assert wait_until(lambda: stats(app, deployment).blocks_used == 0, 30), (app, deployment)
