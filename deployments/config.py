@@ -45,7 +45,7 @@ class AppArgs(BaseModel):
                                    "(deployments/liveness.py); the replica says it is alive 4 times as often")
     pd_local_prefill_tokens: int = Field(
         256, ge=0, description="PD: prompts whose tokens not held by D are at most this many are computed on D "
-        "(conditional disaggregation, docs/serving.md); 0: only when D holds all but the last block")
+        "(conditional disaggregation, docs/serving.md); 0: only prompts D holds whole")
     pd_prefill_busy_tokens: int = Field(
         16384, gt=0, description="PD: past this many prompt tokens in flight to each P replica (from one ingress), "
         "D computes prompts itself while its KV usage is below 0.8")

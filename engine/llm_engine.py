@@ -38,9 +38,9 @@ from engine.kv_transfer import KVPayload, check_compatible
 from engine.loader import load_model
 from engine.lora import LoraAdapter, ModelShape
 from engine.model_runner import ModelRunner, StepResult, kv_pool_blocks
-from engine.prefix_holds import PrefixHolds
 from engine.outputs import (ABORT, EOS, LENGTH, STOP, TIMEOUT, ChoiceStart, PrefillResult, RequestOutput,
                             TokenLogprob)
+from engine.prefix_holds import PrefixHolds
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.speculative import Drafter

@@ -19,20 +19,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PROXY_START_ATTEMPTS = 3  # a free port can be taken before the proxy binds it: pick another
+
+
 @contextlib.contextmanager
 def serve_session(num_cpus: int = 8, address: str | None = None):
     """Ray (a fresh local instance, or ``address``) and Serve's HTTP proxy on a free loopback port.
-    Yields the base URL; shuts both down afterwards."""
+    Yields the base URL; shuts both down afterwards, also when the start fails."""
     import ray
     from ray import serve
 
-    port = free_port()
     if address is None:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=address, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
+        for attempt in range(PROXY_START_ATTEMPTS):
+            port = free_port()  # after Ray's own processes have taken theirs
+            try:
+                serve.start(http_options={"host": "127.0.0.1", "port": port})
+                break
+            except ray.exceptions.RayTaskError as error:
+                serve.shutdown()
+                if "Failed to bind" not in str(error) or attempt == PROXY_START_ATTEMPTS - 1:
+                    raise
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

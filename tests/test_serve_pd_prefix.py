@@ -40,6 +40,19 @@ def base_url():
         yield url
 
 
+@pytest.fixture(scope="module")
+def cold():
+    """A run on an engine without prefix caching, in this process: (prompt, parameters) -> tokens."""
+    engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float64", enable_prefix_caching=False))
+
+    def run(prompt: list[int], p: dict) -> list[int]:
+        params = SamplingParams(max_new_tokens=p["max_new_tokens"], ignore_eos=True, do_sample=p["do_sample"],
+                                temperature=p["temperature"], top_k=p.get("top_k", 0), seed=p.get("seed"))
+        return engine.generate([GenerationRequest("cold", prompt, params)])["cold"].output_token_ids
+
+    return run
+
+
 def infer(url: str, app: str, prompt: list[int], **parameters) -> list[int]:
     """The tokens /infer_token streams for ``prompt``."""
     body = {"input_id": prompt, "stream": True, "parameters": {"ignore_eos": True, **parameters}}
@@ -79,14 +92,8 @@ def conversation(run, parameters: dict, salt: int, turns: int = 4) -> tuple[list
     (0, {"max_new_tokens": 8, "do_sample": False, "temperature": 1.0}),
     (1, {"max_new_tokens": 8, "do_sample": True, "temperature": 1.0, "top_k": 40, "seed": 21}),
 ], ids=["greedy", "seeded"])
-def test_reuse_and_local_prefill_give_a_cold_engines_tokens_and_send_only_what_d_lacks(base_url, salt, parameters):
-    cold_engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float64", enable_prefix_caching=False))
-
-    def cold(prompt, p):
-        params = SamplingParams(max_new_tokens=p["max_new_tokens"], ignore_eos=True, do_sample=p["do_sample"],
-                                temperature=p["temperature"], top_k=p.get("top_k", 0), seed=p.get("seed"))
-        return cold_engine.generate([GenerationRequest("cold", prompt, params)])["cold"].output_token_ids
-
+def test_reuse_and_local_prefill_give_a_cold_engines_tokens_and_send_only_what_d_lacks(base_url, cold, salt,
+                                                                                     parameters):
     want, lengths = conversation(cold, parameters, salt)
     before = {app: kv_bytes(app) for app in APPS}
     remote_before = metric(base_url, "pd", "pdserve_pd_prefill_decisions", 'reason="remote",where="prefill"')
@@ -107,17 +114,11 @@ def test_reuse_and_local_prefill_give_a_cold_engines_tokens_and_send_only_what_d
     assert metric(base_url, "pd", "pdserve_pd_prompt_tokens", 'source="decode_cache"') >= sum(held)
 
 
-def test_with_two_decode_replicas_each_turn_goes_where_its_history_is(base_url):
+def test_with_two_decode_replicas_each_turn_goes_where_its_history_is(base_url, cold):
     """The router sends each turn's plan to the D replica that was sent the conversation so far
     (prefix affinity), and the decode call to the replica that answered (pinned): every turn
     finds the turn before in D's cache, and nothing migrates."""
     parameters = {"max_new_tokens": 8, "do_sample": False, "temperature": 1.0}
-    cold_engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float64", enable_prefix_caching=False))
-
-    def cold(prompt, p):
-        params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-        return cold_engine.generate([GenerationRequest("cold", prompt, params)])["cold"].output_token_ids
-
     held_before = metric(base_url, "two", "pdserve_pd_prompt_tokens", 'source="decode_cache"')
     for salt in (5, 6, 7):  # three conversations, spread over the two replicas by load
         got, lengths = conversation(lambda prompt, p: infer(base_url, "two", prompt, **p), parameters, salt)
