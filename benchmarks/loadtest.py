@@ -70,6 +70,8 @@ async def run_load(args: argparse.Namespace, work: list[Work], rate: float
         if sampler is not None:
             sampler.cancel()
             samples = await sampler
+            last = await _replica_sample(client, start)  # and one as the load ends
+            samples += [last] if last is not None else []
     return results, duration, samples
 
 
@@ -77,17 +79,23 @@ REPLICAS = re.compile(r'^pdserve_replicas\{deployment="(\w+)"\} (\S+)$', re.MULT
 REPLICA_SAMPLES_MAX = 10_000  # a bound on the sampler's loop
 
 
+async def _replica_sample(client: httpx.AsyncClient, start: float) -> dict | None:
+    """{"t": seconds since start, deployment: running replicas, ...}; None if /metrics does not answer."""
+    try:
+        text = (await client.get("/metrics", timeout=10)).text
+    except httpx.HTTPError:
+        return None
+    return {"t": round(time.perf_counter() - start, 2),
+            **{name: int(float(value)) for name, value in REPLICAS.findall(text)}}
+
+
 async def _sample_replicas(client: httpx.AsyncClient, every_s: float, start: float) -> list[dict]:
-    """{"t": seconds since start, deployment: running replicas, ...} every ``every_s`` until cancelled."""
+    """A replica sample every ``every_s`` until cancelled."""
     samples: list[dict] = []
     try:
         for _ in range(REPLICA_SAMPLES_MAX):
-            try:
-                text = (await client.get("/metrics", timeout=10)).text
-                counts = {name: int(float(value)) for name, value in REPLICAS.findall(text)}
-                samples.append({"t": round(time.perf_counter() - start, 2), **counts})
-            except httpx.HTTPError:
-                pass
+            sample = await _replica_sample(client, start)
+            samples += [sample] if sample is not None else []
             await asyncio.sleep(every_s)
     except asyncio.CancelledError:
         pass
@@ -176,12 +184,12 @@ def print_table(result: dict) -> None:
             print(f"{p:<10}{r['completed']:>10}{r['median_ttft_ms']:>12.1f}{r['p99_ttft_ms']:>12.1f}"
                   f"{r['p99_tpot_ms']:>12.1f}")
     if "replicas" in result:
-        changes = [s for i, s in enumerate(result["replicas"]["samples"])
-                   if i == 0 or {k: v for k, v in s.items() if k != "t"}
-                   != {k: v for k, v in result["replicas"]["samples"][i - 1].items() if k != "t"}]
-        for sample in changes:
+        shown = None
+        for sample in result["replicas"]["samples"]:  # each change of the counts
             counts = ", ".join(f"{k} {v}" for k, v in sample.items() if k != "t")
-            print(f"{'replicas at ' + str(sample['t']) + ' s':<24}{counts:>28}")
+            if counts != shown:
+                print(f"{'replicas at ' + str(sample['t']) + ' s':<24}{counts:>28}")
+                shown = counts
         if "mean_pd_ratio" in result["replicas"]:
             print(f"{'Mean P:D replica ratio':<38}{result['replicas']['mean_pd_ratio']:>14.3f}")
     print("=" * 52)
