@@ -87,6 +87,13 @@ async def send(client: httpx.AsyncClient, endpoint: str, work: Work, model: str,
     return result
 
 
+async def send_each(base_url: str, works: list[Work], endpoint: str = "infer_token", model: str = "tiny-llama",
+                    timeout: int = 120) -> list[Result]:
+    """``works`` sent one after another over one connection pool, each streamed and timed."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout) as client:
+        return [await send(client, endpoint, w, model, timeout) for w in works]
+
+
 def _is_token(endpoint: str, event: dict) -> bool:
     if endpoint == "infer_token":
         return event.get("token") is not None

@@ -13,17 +13,18 @@ hand-off is on the path to the second token, not the first.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from pathlib import Path
 import sys
-import time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from benchmarks.clients import send_each  # noqa: E402
+from benchmarks.loadgen import Work  # noqa: E402
 from benchmarks.machine import copy_bandwidth  # noqa: E402
 from deployments.app import pd_app  # noqa: E402
 from tests.serving import serve_session  # noqa: E402
@@ -33,14 +34,9 @@ PROMPT_LENGTHS = (256, 1024, 4000)
 
 def token_times(url: str, app: str, prompt: list[int]) -> tuple[float, float]:
     """Seconds from sending to the first and to the second streamed token."""
-    body = {"input_id": prompt, "stream": True, "parameters": {"max_new_tokens": 2, "ignore_eos": True}}
-    start, times = time.perf_counter(), []
-    with httpx.stream("POST", f"{url}/{app}/infer_token", json=body, timeout=300) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: ") and json.loads(line[6:]).get("token"):
-                times.append(time.perf_counter() - start)
-    return times[0], times[1]
+    (result,) = asyncio.run(send_each(f"{url}/{app}", [Work(0, prompt, "", output_len=2, priority=5)], timeout=300))
+    assert result.ok, result.error
+    return result.ttft, result.ttft + result.itl[0]
 
 
 def measure(url: str, app: str) -> list[dict]:

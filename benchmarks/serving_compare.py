@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 from ray import serve  # noqa: E402
 
-from benchmarks.clients import send  # noqa: E402
+from benchmarks.clients import send_each  # noqa: E402
 from benchmarks.conversations import run_conversations  # noqa: E402
 from benchmarks.loadgen import workloads  # noqa: E402
 from benchmarks.loadtest import main as loadtest  # noqa: E402
@@ -142,8 +142,7 @@ def threshold_scan() -> dict:
             for length in SCAN_LENGTHS:
                 prompts = workloads(SCAN_REPEATS, str(length), "8", length, None, (3, 800))
                 firsts, seconds = [], []
-                for w in prompts:
-                    result = asyncio.run(_one(url, w))
+                for result in asyncio.run(send_each(url, prompts)):
                     assert result.ok, result.error
                     firsts.append(result.ttft * 1e3)
                     seconds.append((result.ttft + result.itl[0]) * 1e3)
@@ -155,18 +154,9 @@ def threshold_scan() -> dict:
     return out
 
 
-async def _one(url: str, work):
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        return await send(client, "infer_token", work, "tiny-llama", 120)
-
-
 def http_latency(url: str, prompts) -> tuple[float, float]:
     """Mean TTFT and mean time per token (ms) of single requests sent one after another."""
-    async def run():
-        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            return [await send(client, "infer_token", w, "tiny-llama", 120) for w in prompts]
-
-    results = asyncio.run(run())
+    results = asyncio.run(send_each(url, prompts))
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     results = results[OVERHEAD_WARMUP:]
     return (statistics.mean(r.ttft for r in results) * 1e3, statistics.mean(r.tpot for r in results) * 1e3)

@@ -79,7 +79,7 @@ class PDBackend:
         """The request's outputs, from D alone or from P then D; ``trace`` learns each engine's
         times and the KV fetch. ``disaggregate``: through P and D whatever the policy says, and
         not counted (the health canary, which checks both)."""
-        num_tokens = len(request.prompt_token_ids) + len(request.resumed_output_ids)
+        num_tokens = request.num_context_tokens
         plan = None
         decision = Decision(False, "remote") if disaggregate else self.policy.without_plan(num_tokens)
         if decision is None:
@@ -115,7 +115,7 @@ class PDBackend:
     async def prefill_step(self, request: GenerationRequest, kv_export_start: int = 0) -> PrefillReply:
         """P's reply, with the handle to its KV (owned here) from token ``kv_export_start`` on,
         when D is to go on."""
-        tokens = len(request.prompt_token_ids) + len(request.resumed_output_ids) - kv_export_start
+        tokens = request.num_context_tokens - kv_export_start
         self.prefill_tokens_in_flight += tokens
         call = self.prefill.options(stream=True).prefill.remote(request, kv_export_start)
         try:

@@ -51,6 +51,14 @@ def canary_request(timeout_s: float) -> GenerationRequest:
                              priority=PRIORITY_MIN, deadline=time.time() + timeout_s)
 
 
+async def app_deployments(timeout_s: float) -> dict:
+    """The calling replica's application's deployments in Serve's status, by name; raises if
+    Serve's status does not come within ``timeout_s``."""
+    app = serve.get_replica_context().app_name
+    status = await asyncio.wait_for(asyncio.to_thread(serve.status), timeout_s)
+    return status.applications[app].deployments
+
+
 def describe(error: BaseException) -> str:
     """An error's type and, for our own checks (ValueError), its message; never Ray's internals
     (not even their exception names)."""
@@ -121,9 +129,7 @@ class Readiness:
     async def deployment_states(self) -> dict[str, dict]:
         """Each deployment of this application but the ingress: its state and, if not healthy, why."""
         try:
-            app = serve.get_replica_context().app_name
-            status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
-            deployments = status.applications[app].deployments
+            deployments = await app_deployments(STATUS_TIMEOUT_S)
         except Exception as error:
             return {name: {"status": "unknown", "reason": f"Serve's status: {describe(error)}"}
                     for name in self.expected}

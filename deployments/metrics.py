@@ -18,8 +18,8 @@ import asyncio
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from ray import serve
 
+from deployments.health import app_deployments
 from deployments.tracing import RequestTrace
 
 STATUS_TIMEOUT_S = 5.0  # Serve's status, read at each scrape for the replica counts
@@ -140,8 +140,7 @@ async def running_replicas() -> dict[str, int]:
     """Running replicas per deployment of the calling replica's application; {} if Serve's status
     does not come in time."""
     try:
-        app = serve.get_replica_context().app_name
-        status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
+        deployments = await app_deployments(STATUS_TIMEOUT_S)
     except Exception:
         return {}
-    return {name: info.replica_states.get("RUNNING", 0) for name, info in status.applications[app].deployments.items()}
+    return {name: info.replica_states.get("RUNNING", 0) for name, info in deployments.items()}

@@ -41,7 +41,7 @@ STATS_PERIOD_S = 0.5  # how often replicas report their load to routers
 def block_keys(request: GenerationRequest) -> list[bytes]:
     """Chained keys of the request's full ``AFFINITY_BLOCK``-token blocks (its adapter's digest
     first: KV made with another adapter is another prefix)."""
-    tokens = list(request.prompt_token_ids) + list(request.resumed_output_ids)
+    tokens = request.context_token_ids
     keys, parent = [], request.lora.digest if request.lora is not None else b""
     for start in range(0, len(tokens) - AFFINITY_BLOCK + 1, AFFINITY_BLOCK):
         digest = hashlib.blake2b(parent, digest_size=16)
@@ -116,7 +116,7 @@ def rank(deployment: str, request: GenerationRequest, replicas: list[RunningRepl
         (-matched[ids[i]], loads[ids[i]]) if balanced else (loads[ids[i]], -matched[ids[i]]), ties[ids[i]]))
     best = ids[order[0]]
     index.insert(keys, best)
-    _sent.setdefault(best, []).append((now, len(request.prompt_token_ids) - matched[best] if prefill else 1))
+    _sent.setdefault(best, []).append((now, request.num_context_tokens - matched[best] if prefill else 1))
     return [replicas[i] for i in order]
 
 

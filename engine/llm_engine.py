@@ -127,7 +127,7 @@ class LLMEngine(BeamSteps, DraftSteps):
             raise ValueError("resumed_output_ids: the request already has max_new_tokens tokens")
         if request.params.grammar is not None:
             self.grammars.check(request.params.grammar)  # compiled here, on the caller's thread, once per digest
-        n = len(request.prompt_token_ids) + len(request.resumed_output_ids)  # what P computes, D imports
+        n = request.num_context_tokens  # what P computes, D imports
         if n >= self.max_model_len:
             raise ValueError(f"prompt_token_ids: {n} tokens leave no room to generate within the maximum "
                              f"length of {self.max_model_len} (the model's, or the KV pool's)")

@@ -64,6 +64,16 @@ class GenerationRequest:
     prompt_lookup: bool | None = None  # speculative decoding by prompt lookup; None: the engine's default
     lora: LoraRef | None = None  # the LoRA adapter it runs with (engine/lora.py); the engine is given its weights
 
+    @property
+    def context_token_ids(self) -> list[int]:
+        """The tokens before the first new one: the prompt, then a resumed request's earlier
+        output. What P computes and D imports."""
+        return list(self.prompt_token_ids) + list(self.resumed_output_ids)
+
+    @property
+    def num_context_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.resumed_output_ids)
+
     def __post_init__(self) -> None:
         if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
             raise ValueError(f"priority: must be in [{PRIORITY_MIN}, {PRIORITY_MAX}]")
@@ -127,7 +137,7 @@ class Sequence:
         self.scheduled_time: float | None = None  # first admitted to the running batch
         self.first_token_time: float | None = None
         self.num_prompt_tokens = len(request.prompt_token_ids)
-        self.token_ids = list(request.prompt_token_ids) + list(request.resumed_output_ids)
+        self.token_ids = request.context_token_ids
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
