@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import copy_bandwidth, matmul_flops  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import cpu_flags  # noqa: E402
-from engine.model import linear  # noqa: E402
+from engine.execution.loader import cpu_flags  # noqa: E402
+from engine.execution.model import linear  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
-from engine.tiny_model import ensure_tiny_model  # noqa: E402
+from engine.execution.tiny_model import ensure_tiny_model  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 
 # SmolLM-135M's shape, 8 of its 30 layers.

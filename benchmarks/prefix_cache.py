@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_throughput import SMOLLM_8L, make_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_runner import kv_bytes_per_token  # noqa: E402
+from engine.execution.model_runner import kv_bytes_per_token  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 

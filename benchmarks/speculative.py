@@ -37,7 +37,7 @@ from benchmarks.engine_throughput import SMOLLM_8L, make_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
-from engine.speculative import NO_DRAFTS, StepDrafts  # noqa: E402
+from engine.decoding.speculative import NO_DRAFTS, StepDrafts  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 
 K = 4

@@ -16,7 +16,7 @@ from deployments.ingress import Ingress
 from deployments.embeddings import EmbeddingServer
 from deployments.lora_store import LoraStore
 from deployments.servers import DecodeServer, LLMServer, PrefillServer
-from engine.loader import model_fingerprint, resolve_model_dir
+from engine.execution.loader import model_fingerprint, resolve_model_dir
 
 
 def _args(args: AppArgs | dict | None) -> AppArgs:

@@ -37,7 +37,7 @@ from deployments.openai_stream import StreamWriter
 from deployments.openapi_doc import Served, openapi_schema
 from deployments.servers import ModelInfo
 from deployments.tracing import RequestTrace, SpanWriter, log_line, traced
-from engine.lora import LoraRef, ModelShape, from_trtllm
+from engine.execution.lora import LoraRef, ModelShape, from_trtllm
 from engine.outputs import TIMEOUT, RequestOutput
 from engine.request import GenerationRequest
 

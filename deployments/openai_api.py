@@ -15,7 +15,7 @@ from deployments import mindie
 from deployments.errors import APIError
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from deployments.tool_calls import message_tool_calls, parse_tool_calls, template_has_tool_syntax, tools_grammar
-from engine.lora import LoraRef
+from engine.execution.lora import LoraRef
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput, TokenLogprob
 from engine.request import GenerationRequest
 from sampling import SamplingParams

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.lora import LoraAdapter
+from engine.execution.lora import LoraAdapter
 from engine.outputs import KVWanted, PrefillResult, RequestOutput
 from engine.request import PRIORITY_MAX, PRIORITY_MIN, GenerationRequest, Mode
 
@@ -44,7 +44,7 @@ class EngineStats:
     prefix_cache_hits: int  # of those, tokens found
     prompt_tokens_computed: int  # prompt tokens run through the model since start (hits and imports are not)
     queued_prompt_tokens: int  # prompt tokens waiting to run through the model (Scheduler.queued_prompt_tokens)
-    spec_decode_num_drafts: int  # steps of a sequence that verified draft tokens (engine/speculative.py)
+    spec_decode_num_drafts: int  # steps of a sequence that verified draft tokens (engine/decoding/speculative.py)
     spec_decode_num_draft_tokens: int  # draft tokens verified
     spec_decode_num_accepted_tokens: int  # of those, the ones that stood
     dtype: str

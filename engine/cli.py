@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "make-tiny-model":
-        from engine.tiny_model import make_tiny_model
+        from engine.execution.tiny_model import make_tiny_model
 
         print(make_tiny_model(args.directory))
         return 0

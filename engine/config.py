@@ -10,7 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 @dataclass
 class EngineConfig:
     model: str = "tiny-llama"  # a local Hugging Face model directory, or "tiny-llama"
-    # auto: bfloat16 where the hardware has it (engine/loader.py), else float32; float64 for exact parity tests
+    # auto: bfloat16 where the hardware has it (engine/execution/loader.py), else float32; float64 for exact parity tests
     dtype: str = "auto"
     device: str = "cpu"  # cpu, cuda[:N] or npu[:N]
     block_size: int = 16  # tokens per KV block
@@ -25,14 +25,14 @@ class EngineConfig:
     sampler_backend: str = "auto"  # auto (Ascend's operator on an NPU, else torch), native, ascend
     torch_threads: int | None = None  # intra-op threads for this engine; None: torch's default
     enable_prefix_caching: bool = True  # reuse the KV of full blocks other requests computed
-    # Speculative decoding (engine/speculative.py): a request's own draft tokens, at most this many
+    # Speculative decoding (engine/decoding/speculative.py): a request's own draft tokens, at most this many
     # (TensorRT-LLM's max_draft_len), all verified in one step.
     max_draft_tokens: int = 8
     prompt_lookup: bool = False  # draft by prompt lookup when a request does not say (its prompt_lookup)
     num_speculative_tokens: int = 4  # prompt lookup's drafts per step
     prompt_lookup_min: int = 2  # the shortest n-gram matched
     prompt_lookup_max: int = 4  # the longest, tried first
-    max_lora_rank: int = 16  # the largest LoRA rank a request's adapter may have (engine/lora.py)
+    max_lora_rank: int = 16  # the largest LoRA rank a request's adapter may have (engine/execution/lora.py)
     # D in PD: max_iter_times counts the tokens after the first, which P makes, or this engine in
     # P's place when it prefills a request locally (deployments/disaggregation.py): the same cap either way.
     first_token_from_prefill: bool = False

@@ -16,7 +16,7 @@ import torch
 
 @dataclass(frozen=True)
 class KVMeta:
-    model_id: str  # fingerprint of the model's config and weights (engine/loader.py)
+    model_id: str  # fingerprint of the model's config and weights (engine/execution/loader.py)
     dtype: str
     num_layers: int
     num_kv_heads: int

@@ -13,8 +13,8 @@ fork from it (blocks shared, the partial tail copied on write): one prefill for 
 PD one KV transfer. Their first tokens are sampled together from the prompt's last logits,
 each with its own seed (``sampling.params.choice_seed``).
 
-A decoding sequence may verify draft tokens in its step (engine/draft_steps.py), and a request
-may run with a LoRA adapter (engine/lora.py) in the same steps as requests without one.
+A decoding sequence may verify draft tokens in its step (engine/decoding/draft_steps.py), and a request
+may run with a LoRA adapter (engine/execution/lora.py) in the same steps as requests without one.
 """
 
 from __future__ import annotations
@@ -28,22 +28,22 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine.beam_search import BeamGroup
-from engine.beam_steps import BeamSteps
+from engine.decoding.beam_search import BeamGroup
+from engine.decoding.beam_steps import BeamSteps
 from engine.block_manager import BlockCounts, BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.draft_steps import DraftSteps
+from engine.decoding.draft_steps import DraftSteps
 from engine.kv_transfer import KVPayload, check_compatible
-from engine.loader import load_model
-from engine.lora import LoraAdapter, ModelShape
-from engine.model_runner import ModelRunner, StepResult, kv_pool_blocks
+from engine.execution.loader import load_model
+from engine.execution.lora import LoraAdapter, ModelShape
+from engine.execution.model_runner import ModelRunner, StepResult, kv_pool_blocks
 from engine.outputs import (ABORT, EOS, LENGTH, STOP, TIMEOUT, ChoiceStart, PrefillResult, RequestOutput,
                             TokenLogprob)
 from engine.prefix_holds import PrefixHolds
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.speculative import Drafter
+from engine.decoding.speculative import Drafter
 from sampling import SamplerOutput, SamplingParams, SamplingRow
 from sampling.grammar import GrammarCompiler, GrammarDeadEnd, Matcher, MatcherState
 from sampling.params import MAX_SEED, choice_seed

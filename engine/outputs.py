@@ -43,7 +43,7 @@ class PrefillResult:
     kv: KVPayload
     prefill_time_ms: float  # arrival at P to the first token
     # Beam search: P made the first step; ``choices`` are the running beams, best first, and this
-    # is the search's state after it (engine/beam_search.py BeamState).
+    # is the search's state after it (engine/decoding/beam_search.py BeamState).
     beam_state: Any = None
     beam_logits: np.ndarray | None = None  # [V]: the first step's raw logits, when generation logits are asked for
 
@@ -92,6 +92,6 @@ class RequestOutput:
     context_logits: np.ndarray | None = None
     generation_logits: np.ndarray | None = None
     # Beam search, on the one output of the request: the finished hypotheses, best first
-    # (engine/beam_search.py Hypothesis); new_token_ids and text are the best one's, and
+    # (engine/decoding/beam_search.py Hypothesis); new_token_ids and text are the best one's, and
     # generation_logits, when asked for, is [beams, longest, V], shorter beams padded with zeros.
     beams: list | None = None

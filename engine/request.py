@@ -10,7 +10,7 @@ import time
 import numpy as np
 import torch
 
-from engine.lora import LoraAdapter, LoraRef
+from engine.execution.lora import LoraAdapter, LoraRef
 from sampling import SamplingParams
 
 PRIORITY_MIN, PRIORITY_MAX = 1, 5  # 1 is served first
@@ -38,7 +38,7 @@ class PromptTable:
 
 @dataclass(frozen=True)
 class DraftTokens:
-    """A request's draft of its output (engine/speculative.py): ``token_ids[i]`` guesses output
+    """A request's draft of its output (engine/decoding/speculative.py): ``token_ids[i]`` guesses output
     token i; ``logits`` [len(token_ids), V] float32, the draft model's, when it sent them."""
 
     token_ids: list[int]
@@ -62,7 +62,7 @@ class GenerationRequest:
     prompt_table: PromptTable | None = None  # p-tuning: prompt ids past the vocabulary index it
     draft: DraftTokens | None = None  # speculative decoding with the caller's drafts
     prompt_lookup: bool | None = None  # speculative decoding by prompt lookup; None: the engine's default
-    lora: LoraRef | None = None  # the LoRA adapter it runs with (engine/lora.py); the engine is given its weights
+    lora: LoraRef | None = None  # the LoRA adapter it runs with (engine/execution/lora.py); the engine is given its weights
 
     @property
     def context_token_ids(self) -> list[int]:
@@ -157,7 +157,7 @@ class Sequence:
                              + (lora.ref.digest if lora is not None else b""))
         self.draft = request.draft
         self.prompt_lookup = request.prompt_lookup
-        self.step_drafts = None  # StepDrafts the next step verifies (engine/speculative.py), set before each step
+        self.step_drafts = None  # StepDrafts the next step verifies (engine/decoding/speculative.py), set before each step
         self.block_hashes: list[bytes] = []  # chained keys of the full blocks, memoised (tokens never change)
         # Prompt scores, by position (position 0 has none), filled as the prompt's chunks run;
         # None unless asked for. DECODE mode never scores: P did, and sent them to the client.

@@ -38,7 +38,7 @@ from engine.request import PendingChoice, Sequence, SequenceStatus
 class ScheduledBatch:
     entries: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
     sampling: list[bool] = field(default_factory=list)  # per entry: its chunk reaches its last token
-    # Per entry: draft tokens run after its last token (engine/speculative.py), 0 for most.
+    # Per entry: draft tokens run after its last token (engine/decoding/speculative.py), 0 for most.
     drafted: list[int] = field(default_factory=list)
     # (sequence, first token to import): write pending KV from there on, before the forward;
     # the tokens before it were prefix-cache hits.
@@ -137,7 +137,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = self._new_tokens(seq, seq.num_computed_tokens, budget)
-            if n == 0:  # a beam that has reported its step waits for its siblings (engine/beam_search.py)
+            if n == 0:  # a beam that has reported its step waits for its siblings (engine/decoding/beam_search.py)
                 continue
             if not self._make_room(seq, n, batch):
                 continue
@@ -194,7 +194,7 @@ class Scheduler:
     @staticmethod
     def _new_tokens(seq: Sequence, computed: int, budget: int) -> int:
         """Tokens to run from ``computed`` on: the rest of the sequence, and its drafts when only its
-        last token is left (engine/speculative.py), within the budget."""
+        last token is left (engine/decoding/speculative.py), within the budget."""
         remaining = seq.num_tokens - computed
         drafts = len(seq.step_drafts.token_ids) if remaining == 1 and seq.step_drafts is not None else 0
         return min(remaining + drafts, budget)

@@ -53,7 +53,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
     skip_special_tokens: bool = True
     grammar: Grammar | None = None  # the output must match it (sampling/grammar.py)
-    # Beam search (engine/beam_search.py): width 1 is off. Beams score the model's own
+    # Beam search (engine/decoding/beam_search.py): width 1 is off. Beams score the model's own
     # log-probabilities, so no control that reshapes them combines with it (BEAM_EXCLUSIVE).
     beam_width: int = 1
     length_penalty: float = 1.0

@@ -6,7 +6,7 @@ otherwise draw from the residual max(0, p - q), normalised (Leviathan et al. 202
 al. 2023). The token that comes out is distributed as p, whatever q is. The uniform of the
 test and the residual's draw use the row's keyed noise (sampling/noise.py): reproducible for a
 seed. A draft without probabilities is a point mass, and for it the rule is plain sampling
-followed by a comparison, which the engine does (engine/speculative.py): this module serves
+followed by a comparison, which the engine does (engine/decoding/speculative.py): this module serves
 only rows with q.
 
 A readable torch reference over the whole vocabulary, never on the hot path: the rows that

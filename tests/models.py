@@ -9,7 +9,7 @@ import shutil
 import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
 
-from engine.tiny_model import ensure_tiny_model
+from engine.execution.tiny_model import ensure_tiny_model
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)

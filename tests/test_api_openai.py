@@ -14,7 +14,7 @@ from deployments.embeddings import default_model_dir
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
-from engine.tiny_model import ensure_tiny_model
+from engine.execution.tiny_model import ensure_tiny_model
 from sampling import SamplingParams
 from tests.serving import serve_session
 

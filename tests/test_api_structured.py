@@ -14,7 +14,7 @@ from ray import serve
 from transformers import AutoTokenizer
 
 from deployments.app import colocated_app, pd_app
-from engine.tiny_model import ensure_tiny_model
+from engine.execution.tiny_model import ensure_tiny_model
 from tests.serving import serve_session
 
 MODEL = "tiny-llama"

@@ -95,7 +95,7 @@ def test_finish_reason_style_on_v1(style, expected):
 
     from deployments.openai_api import OpenAIFrontend
     from engine.outputs import RequestOutput
-    from engine.tiny_model import ensure_tiny_model
+    from engine.execution.tiny_model import ensure_tiny_model
 
     front = OpenAIFrontend(AutoTokenizer.from_pretrained(ensure_tiny_model()), "m", 891, 4096, 1024, style)
     reasons = [front.finish_reason(RequestOutput("r", [], "", 1, True, reason, 1))

@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.tiny_model import ensure_tiny_model
+from engine.execution.tiny_model import ensure_tiny_model
 
 # Characters outside tiny-llama's corpus are split into single-byte tokens.
 TEXTS = ["Grüße 大语言模型 🚀 한국어 텍스트 𝄞 done", "ab🤖\u200dcd", "Ελληνικά κείμενα ≠ ∑"]

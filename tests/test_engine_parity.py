@@ -129,7 +129,7 @@ def test_float32_greedy_equals_transformers(model_dirs):
 
 
 def test_dtype_auto_follows_the_cpu(monkeypatch):
-    from engine import loader
+    from engine.execution import loader
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(loader, "cpu_flags", lambda: {"avx2", "avx512_bf16"})

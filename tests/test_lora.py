@@ -1,4 +1,4 @@
-"""LoRA adapters (engine/lora.py): PEFT directories and TensorRT-LLM's tensors, batched with
+"""LoRA adapters (engine/execution/lora.py): PEFT directories and TensorRT-LLM's tensors, batched with
 other adapters and none, checked against peft's PeftModel.generate in fp32, colocated and
 split over P and D; the adapter is part of the prefix-cache key."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.lora import TRTLLM_MODULES, LoraAdapter, ModelShape, from_peft, from_trtllm
+from engine.execution.lora import TRTLLM_MODULES, LoraAdapter, ModelShape, from_peft, from_trtllm
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 from tests.models import load_hf

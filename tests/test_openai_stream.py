@@ -11,7 +11,7 @@ from deployments.openai_api import Choice, OpenAIFrontend
 from deployments.openai_stream import StreamWriter
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.request import GenerationRequest
-from engine.tiny_model import ensure_tiny_model
+from engine.execution.tiny_model import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from ray import serve
 from deployments.app import colocated_app, pd_app
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.lora import ModelShape, from_peft, from_trtllm
+from engine.execution.lora import ModelShape, from_peft, from_trtllm
 from engine.request import GenerationRequest
-from engine.tiny_model import ensure_tiny_model
+from engine.execution.tiny_model import ensure_tiny_model
 from sampling import SamplingParams
 from tests.serving import serve_session, wait_until
 from tests.test_lora import ALL, make_adapter, to_trtllm

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative.py, sampling/speculative.py): draft tokens the request
+"""Speculative decoding (engine/decoding/speculative.py, sampling/speculative.py): draft tokens the request
 sends, and prompt lookup. Drafts given as tokens leave the output token for token what it is
 without them, greedy and seeded; drafts with the draft model's logits leave the distribution
 unchanged (chi-square). Accounting holds when several tokens arrive in one step."""
@@ -10,7 +10,7 @@ import torch
 
 from engine.outputs import EOS, LENGTH, STOP
 from engine.request import DraftTokens, GenerationRequest
-from engine.speculative import accepted_length, prompt_lookup
+from engine.decoding.speculative import accepted_length, prompt_lookup
 from sampling import Sampler, SamplingParams
 from tests.sampling_helpers import batch_of
 from tests.test_sampling_distribution import exact_distribution

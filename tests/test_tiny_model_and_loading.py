@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.kv_transfer import KVMeta, KVMismatchError, check_compatible, numpy_to_tensor, tensor_to_numpy
-from engine.loader import resolve_model_dir
+from engine.execution.loader import resolve_model_dir
 from engine.llm_engine import LLMEngine
 from engine.cli import main as cli_main
 

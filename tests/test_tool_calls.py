@@ -16,7 +16,7 @@ from deployments.tool_calls import ToolCallStream, parse_tool_calls, tools_gramm
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import STOP
-from engine.tiny_model import ensure_tiny_model
+from engine.execution.tiny_model import ensure_tiny_model
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}}}

@@ -14,12 +14,12 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from engine.attention import AttentionBatch, paged_attention
+from engine.execution.attention import AttentionBatch, paged_attention
 
 
 @dataclass
 class ModelSpec:
-    """The shape of a decoder, read from its Hugging Face config (engine/loader.py)."""
+    """The shape of a decoder, read from its Hugging Face config (engine/execution/loader.py)."""
 
     vocab_size: int
     hidden_size: int
@@ -87,7 +87,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, lora=None) -> torch.Tensor:
-        """``lora``: the step's LoRA deltas for this layer (engine/lora.py LayerLora), added to each map's output."""
+        """``lora``: the step's LoRA deltas for this layer (engine/execution/lora.py LayerLora), added to each map's output."""
         spec = self.spec
         n = x.shape[0]
         h = self.input_norm(x)
@@ -152,7 +152,7 @@ class DecoderModel(nn.Module):
                 lora=None) -> torch.Tensor:
         """input_ids, positions [N]; kv_cache [L, 2, S, Hkv, D]; ``embedding_rows`` (rows [M],
         embeddings [M, H]) replace those rows' embeddings (p-tuning); ``lora``: the step's LoRA
-        deltas (engine/lora.py LoraStep). Returns hidden states [N, H]."""
+        deltas (engine/execution/lora.py LoraStep). Returns hidden states [N, H]."""
         cos_table, sin_table = self.rope_tables()
         cos, sin = cos_table[positions], sin_table[positions]  # [N, D]
         x = self.embed_tokens(input_ids)

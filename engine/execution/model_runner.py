@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.attention import build_attention_batch
+from engine.execution.attention import build_attention_batch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_transfer import KVMeta, numpy_to_tensor, tensor_to_numpy
-from engine.loader import LoadedModel
-from engine.lora import LoraStacks, LoraStep
+from engine.execution.loader import LoadedModel
+from engine.execution.lora import LoraStacks, LoraStep
 from engine.outputs import TokenLogprob
 from engine.request import Sequence
 from engine.scheduler import ScheduledBatch
@@ -83,7 +83,7 @@ class ModelRunner:
         # Step inputs, allocated once: [max tokens per step] each, filled from one host array.
         self._inputs = torch.zeros(3, config.max_num_batched_tokens, dtype=torch.int64)  # ids, positions, slots
         self._inputs_np = self._inputs.numpy()
-        self._lora_stacks: LoraStacks | None = None  # the last steps' adapters, stacked (engine/lora.py)
+        self._lora_stacks: LoraStacks | None = None  # the last steps' adapters, stacked (engine/execution/lora.py)
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:
@@ -169,7 +169,7 @@ class ModelRunner:
         return StepResult(self._sample(logits, rows), scores, context, kept)
 
     def _lora_step(self, batch: ScheduledBatch, num_rows: int) -> LoraStep | None:
-        """The step's LoRA deltas: each entry's rows get its sequence's adapter (engine/lora.py);
+        """The step's LoRA deltas: each entry's rows get its sequence's adapter (engine/execution/lora.py);
         None when no entry has one. The stacked weights are kept while the adapters stay the same."""
         adapters = {id(seq.lora): seq.lora for seq, _ in batch.entries if seq.lora is not None}
         if not adapters:
@@ -187,7 +187,7 @@ class ModelRunner:
         return LoraStep(self._lora_stacks, torch.from_numpy(row_adapter).to(self.device))
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """The sampler over the rows that draw a token; a beam's row draws none (engine/beam_search.py
+        """The sampler over the rows that draw a token; a beam's row draws none (engine/decoding/beam_search.py
         decides from its logits), and its place in the output holds token 0."""
         drawn = [i for i, row in enumerate(rows) if row.params.beam_width == 1]
         vocab = self.loaded.spec.vocab_size

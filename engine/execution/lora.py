@@ -25,7 +25,7 @@ import re
 import numpy as np
 import torch
 
-from engine.model import linear
+from engine.execution.model import linear
 
 # A layer's adapted maps: (fused weight they live in, their slice of its output is the engine's).
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -108,7 +108,7 @@ class LoraAdapter:
 
 
 def from_peft(name: str, directory: str | Path) -> LoraAdapter:
-    """A PEFT LoRA adapter directory, for a Llama-family model (engine/model.py's maps)."""
+    """A PEFT LoRA adapter directory, for a Llama-family model (engine/execution/model.py's maps)."""
     from safetensors.numpy import load_file
 
     directory = Path(directory)

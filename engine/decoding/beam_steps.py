@@ -1,4 +1,4 @@
-"""LLMEngine's beam search steps: the sequences follow what engine/beam_search.py decides.
+"""LLMEngine's beam search steps: the sequences follow what engine/decoding/beam_search.py decides.
 
 A request with ``beam_width`` > 1 runs as a ``BeamGroup`` of sequences that share blocks. Each
 step every running beam reports its last row's raw logits instead of sampling a token
@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from engine.beam_search import BeamGroup, BeamState, Candidate, Hypothesis
+from engine.decoding.beam_search import BeamGroup, BeamState, Candidate, Hypothesis
 from engine.outputs import EOS, LENGTH, ChoiceStart, PrefillResult, RequestOutput, TokenLogprob
 from engine.request import Mode, Sequence
 

@@ -2,7 +2,7 @@
 
 Reads config.json through AutoConfig, the tokenizer through AutoTokenizer and the weights
 from *.safetensors; nothing is downloaded. "tiny-llama" names the embedded default model,
-made on first use (engine/tiny_model.py).
+made on first use (engine/execution/tiny_model.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.config import EngineConfig
-from engine.model import DecoderModel, ModelSpec
+from engine.execution.model import DecoderModel, ModelSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 TINY_LLAMA = "tiny-llama"
@@ -41,7 +41,7 @@ class LoadedModel:
 def resolve_model_dir(name: str) -> Path:
     """A local directory, "tiny-llama", or a hub id already in the local Hugging Face cache."""
     if name == TINY_LLAMA:
-        from engine.tiny_model import ensure_tiny_model
+        from engine.execution.tiny_model import ensure_tiny_model
 
         return ensure_tiny_model()
     path = Path(name).expanduser()

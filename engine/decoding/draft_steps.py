@@ -1,7 +1,7 @@
 """LLMEngine's speculative steps: the drafts a decoding sequence runs, and how many stand.
 
 Before each step every sequence about to decode gets its drafts (``_propose_drafts``, from
-engine/speculative.py's Drafter); the scheduler gives it 1 + k tokens; its k + 1 sampled rows
+engine/decoding/speculative.py's Drafter); the scheduler gives it 1 + k tokens; its k + 1 sampled rows
 (``_draft_rows``) decide how many drafts stand (``_accepted_drafts``), which the scheduler's
 commit counts as computed and ``LLMEngine._postprocess`` appends, one output each. A mixin of
 LLMEngine: it uses the engine's config, drafter, vocabulary, ``_seqs`` and ``_sampling_row``.
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.model_runner import StepResult
+from engine.execution.model_runner import StepResult
 from engine.request import GenerationRequest, Sequence
 from engine.scheduler import ScheduledBatch
-from engine.speculative import accepted_length
+from engine.decoding.speculative import accepted_length
 from sampling import SamplingRow
 
 
@@ -34,7 +34,7 @@ class DraftSteps:
                 raise ValueError("draft_logits: values must be finite")
 
     def _propose_drafts(self) -> None:
-        """Each sequence about to decode gets this step's drafts (engine/speculative.py): one whose
+        """Each sequence about to decode gets this step's drafts (engine/decoding/speculative.py): one whose
         last token is all it has left to compute, or one that waits for P's KV and its first step."""
         for seq in self._seqs.values():
             left = seq.num_tokens - seq.num_computed_tokens
@@ -63,7 +63,7 @@ class DraftSteps:
         return rows
 
     def _accepted_drafts(self, batch: ScheduledBatch, result: StepResult, repeats: list[int]) -> list[int]:
-        """Per entry, how many of its drafts stand (engine/speculative.py), counted for the metrics."""
+        """Per entry, how many of its drafts stand (engine/decoding/speculative.py), counted for the metrics."""
         accepted, row = [], 0
         for (seq, _), drafted, repeat in zip(batch.entries, batch.drafted, repeats):
             count = 0
