@@ -44,7 +44,7 @@ from deployments.app import colocated_app, pd_app  # noqa: E402
 from deployments.config import AppArgs  # noqa: E402
 from deployments.ingress import Ingress  # noqa: E402
 from deployments.liveness import Accepted, replica_id  # noqa: E402
-from deployments.servers import ModelInfo  # noqa: E402
+from engine.model_info import ModelInfo  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.outputs import LENGTH, RequestOutput  # noqa: E402

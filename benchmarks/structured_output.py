@@ -37,7 +37,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
-from deployments.tool_calls import tools_grammar  # noqa: E402
+from dialects.tool_calls import tools_grammar  # noqa: E402
 from sampling.grammar import Grammar, allowed_tokens  # noqa: E402
 
 SCHEMA = {

@@ -16,7 +16,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import routing
 from deployments.disaggregation import NO_PLAN, Decision, DisaggregationPolicy
-from deployments.errors import KVLeaseExpired
+from deployments.failures import KVLeaseExpired
 from deployments.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.liveness import watched
 from deployments.tracing import KVTransfer, RequestTrace

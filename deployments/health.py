@@ -19,7 +19,7 @@ import uuid
 from ray import serve
 
 from deployments.backends import PDBackend
-from deployments.errors import REPLICA_FAILURES, root_cause
+from deployments.failures import REPLICA_FAILURES, root_cause
 from engine.request import PRIORITY_MIN, GenerationRequest
 from sampling.params import SamplingParams
 

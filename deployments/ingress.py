@@ -2,8 +2,8 @@
 
 One FastAPI app behind ``@serve.ingress``; it holds handles to the engine deployments
 (deployments/backends.py) and to the embeddings deployment, and never runs a model itself.
-Dialects: MindIE's /infer_token (deployments/mindie.py) and the OpenAI-compatible /v1 API
-(deployments/openai_api.py).
+It binds the HTTP dialects (dialects/: MindIE's /infer_token in dialects/mindie.py, the
+OpenAI-compatible /v1 API in dialects/openai_api.py) to the backends; the dialects never see Ray.
 """
 
 
@@ -23,21 +23,22 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
-from deployments import mindie
 from deployments.backends import ColocatedBackend, PDBackend, merge
 from deployments.config import AppArgs
-from deployments.errors import (APIError, client_error, documented, error_response, on_api_error, on_http_error,
-                                 on_unexpected_error, on_validation_error)
+from deployments.failures import client_error, on_unexpected_error
 from deployments.health import Readiness, describe
 from deployments.metrics import IngressMetrics
 from deployments.migration import migrating
-from deployments.openai_api import Choice, OpenAIFrontend, now_seconds
-from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from deployments.openai_stream import StreamWriter
-from deployments.openapi_doc import Served, openapi_schema
-from deployments.servers import ModelInfo
 from deployments.tracing import RequestTrace, SpanWriter, log_line, traced
+from dialects import mindie
+from dialects.errors import (APIError, documented, error_response, on_api_error, on_http_error,
+                             on_validation_error)
+from dialects.openai_api import Choice, OpenAIFrontend, now_seconds
+from dialects.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from dialects.openai_stream import StreamWriter
+from dialects.openapi_doc import Served, openapi_schema
 from engine.execution.lora import LoraRef, ModelShape, from_trtllm
+from engine.model_info import ModelInfo
 from engine.outputs import TIMEOUT, RequestOutput
 from engine.request import GenerationRequest
 

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Callable
 from ray import serve
 from ray.serve.request_router import RunningReplica
 
-from deployments.errors import ReplicaStalled
+from deployments.failures import ReplicaStalled
 
 AVOID_S = 30.0  # how long the ingress sends no new request to a replica that stalled one of its streams
 _stalled_until: dict[str, float] = {}  # replica id -> time.monotonic() until which it is avoided (this process)

@@ -13,7 +13,7 @@ replica, where Ray Serve routes it:
   twice. In PD it goes through P again (D's KV died with D; P's prefix cache holds the prompt).
 
 The request keeps its priority and its deadline (absolute: a migration does not reset it). After
-``max_migrations`` the failure ends the request (a clean 503, deployments/errors.py); so does a
+``max_migrations`` the failure ends the request (a clean 503, deployments/failures.py); so does a
 replacement that does not answer before the deadline: never a hang.
 """
 
@@ -26,7 +26,8 @@ import time
 from typing import AsyncIterator, Callable
 
 from deployments.backends import merge
-from deployments.errors import REPLICA_RETRY_AFTER_S, APIError, replica_failed, root_cause
+from deployments.failures import REPLICA_RETRY_AFTER_S, replica_failed, root_cause
+from dialects.errors import APIError
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
 from sampling.params import choice_seed

@@ -17,33 +17,18 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from deployments.kv_connector import ObjectStoreConnector, PrefillReply
-from deployments.errors import PrefixLost
+from deployments.failures import PrefixLost
 from deployments.liveness import Accepted, Heartbeat, heartbeats, replica_id
 from deployments.lora_store import LoraCache
 from deployments.routing import STATS_PERIOD_S, EngineRouter
 from deployments.tracing import KVTransfer
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.model_info import ModelInfo
 from engine.outputs import KVWanted, RequestOutput
 from engine.request import GenerationRequest
 
 ROUTER = RequestRouterConfig(request_router_class=EngineRouter, request_routing_stats_period_s=STATS_PERIOD_S)
-
-
-@dataclass
-class ModelInfo:
-    """What the ingress needs to know about the engine behind a deployment."""
-
-    model_path: str
-    model_id: str
-    vocab_size: int
-    max_model_len: int
-    max_iter_times: int
-    node_id: str
-    dtype: str
-    enable_prefix_caching: bool
-    pad_token_id: int  # the tokenizer's pad id, else the first end id: beam search's default pad_id
-    hidden_size: int  # a p-tuning table's row length
 
 
 class _EngineServer:

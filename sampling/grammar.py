@@ -40,7 +40,7 @@ class Grammar:
     """What a request's output must match. ``kind``: "json_object" (any JSON object; ``text`` is
     empty), "json_schema" (``text`` is the schema as JSON), "regex" (``text`` is a regular
     expression the whole output matches) or "lark" (``text`` is a grammar in llguidance's Lark
-    syntax, which may embed schemas: tool calls, deployments/tool_calls.py; choice lists).
+    syntax, which may embed schemas: tool calls, dialects/tool_calls.py; choice lists).
     ``field`` names the request field it came from, for error messages."""
 
     kind: str

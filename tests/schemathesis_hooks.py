@@ -34,7 +34,7 @@ def filter_failure(context, failure, case, response) -> bool:
 
 
 def _infer_token_relation(param: str, message: str) -> bool:
-    """/infer_token's relations between parameters (deployments/mindie.py) that a schema cannot state."""
+    """/infer_token's relations between parameters (dialects/mindie.py) that a schema cannot state."""
     beams = ("does not combine with beam search" in message or param == "stream" and "beam search" in message
              or param == "parameters.beam_width" and "max_beam_width" in message
              or param == "parameters.pad_id" and ("beam_width > 1" in message or "vocabulary" in message))

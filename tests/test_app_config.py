@@ -93,7 +93,7 @@ def test_builder_arguments_are_typed_and_checked(tmp_path):
 def test_finish_reason_style_on_v1(style, expected):
     from transformers import AutoTokenizer
 
-    from deployments.openai_api import OpenAIFrontend
+    from dialects.openai_api import OpenAIFrontend
     from engine.outputs import RequestOutput
     from engine.execution.tiny_model import ensure_tiny_model
 

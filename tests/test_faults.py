@@ -21,7 +21,8 @@ from ray import serve
 from deployments.app import colocated_app, pd_app
 from deployments.backends import PDBackend
 from deployments.config import AppArgs
-from deployments.errors import APIError, client_error
+from deployments.failures import client_error
+from dialects.errors import APIError
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 from tests.serving import (RAY_INTERNALS, migrations, processes, replicas, serve_session, sigkill, stopped,

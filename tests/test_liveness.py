@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.errors import ReplicaStalled, replica_failed
+from deployments.failures import ReplicaStalled, replica_failed
 from deployments.liveness import Heartbeat, heartbeats, preferred, watched
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import ray
 
-from deployments.errors import APIError
+from dialects.errors import APIError
 from deployments.migration import migrating
 from engine.outputs import LENGTH, RequestOutput
 from engine.request import GenerationRequest

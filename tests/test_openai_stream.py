@@ -6,9 +6,9 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from deployments.json_types import sse_event
-from deployments.openai_api import Choice, OpenAIFrontend
-from deployments.openai_stream import StreamWriter
+from dialects.json_types import sse_event
+from dialects.openai_api import Choice, OpenAIFrontend
+from dialects.openai_stream import StreamWriter
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.request import GenerationRequest
 from engine.execution.tiny_model import ensure_tiny_model

@@ -9,10 +9,10 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from deployments.errors import APIError
-from deployments.openai_api import OpenAIFrontend
-from deployments.openai_schema import ChatCompletionRequest
-from deployments.tool_calls import ToolCallStream, parse_tool_calls, tools_grammar
+from dialects.errors import APIError
+from dialects.openai_api import OpenAIFrontend
+from dialects.openai_schema import ChatCompletionRequest
+from dialects.tool_calls import ToolCallStream, parse_tool_calls, tools_grammar
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import STOP

@@ -18,7 +18,7 @@ import torch
 VERSION = "v2"  # v2: the chat template renders tools and tool calls
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
-# Hermes' tool-call syntax, as Qwen2.5/3 and Hermes models write it (deployments/tool_calls.py
+# Hermes' tool-call syntax, as Qwen2.5/3 and Hermes models write it (dialects/tool_calls.py
 # parses it): the tools' signatures in a system block, each call as
 # <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>. Without tools, the same text as v1.
 CHAT_TEMPLATE = (  # transformers trims the newline after a block tag: those newlines are {{ nl }}

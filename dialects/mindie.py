@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from deployments.json_types import Seed, StrictModel, TokenId, sse_event
+from dialects.json_types import Seed, StrictModel, TokenId, sse_event
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput
 from engine.execution.lora import LoraRef
 from engine.request import DraftTokens, GenerationRequest, PromptTable

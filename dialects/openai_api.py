@@ -1,5 +1,5 @@
 """The OpenAI-compatible dialect: requests into GenerationRequests, engine outputs into
-whole responses (streams: deployments/openai_stream.py). docs/api.md has every decision.
+whole responses (streams: dialects/openai_stream.py). docs/api.md has every decision.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
-from deployments import mindie
-from deployments.errors import APIError
-from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
-from deployments.tool_calls import message_tool_calls, parse_tool_calls, template_has_tool_syntax, tools_grammar
+from dialects import mindie
+from dialects.errors import APIError
+from dialects.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
+from dialects.tool_calls import message_tool_calls, parse_tool_calls, template_has_tool_syntax, tools_grammar
 from engine.execution.lora import LoraRef
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput, TokenLogprob
 from engine.request import GenerationRequest

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (Field, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema, field_validator,
                       model_validator)
 
-from deployments.json_types import Seed, StrictModel, TokenId, only
+from dialects.json_types import Seed, StrictModel, TokenId, only
 from engine.request import MAX_CHOICES
 from sampling.grammar import Grammar
 from sampling.params import MAX_TOP_LOGPROBS

@@ -20,7 +20,7 @@ def sse_event(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
-# uint64 in (0, 2^64 - 1]; deployments/openapi_doc.py writes its bound exactly.
+# uint64 in (0, 2^64 - 1]; dialects/openapi_doc.py writes its bound exactly.
 Seed = Annotated[StrictInt, Field(gt=0, le=MAX_SEED)]
 TokenId = Annotated[StrictInt, Field(ge=0)]  # the vocabulary's bound is the served model's
 

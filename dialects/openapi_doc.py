@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from deployments.openai_schema import MAX_TOOL_PROPERTIES
-from deployments.servers import ModelInfo
+from dialects.openai_schema import MAX_TOOL_PROPERTIES
+from engine.model_info import ModelInfo
 from sampling.params import MAX_SEED
 
 

@@ -1,7 +1,7 @@
 """Server-sent events of the OpenAI dialect, as OpenAI sends them.
 
 - chat: ``role`` only in a choice's first chunk; each choice ends with a chunk of an empty
-  delta and its ``finish_reason``; tool calls as deployments/tool_calls.py's deltas;
+  delta and its ``finish_reason``; tool calls as dialects/tool_calls.py's deltas;
 - completions: the echoed prompt (and, with logprobs, its scores) in a choice's first chunk,
   the suffix in its last;
 - no chunk without text or a finish reason: while a multi-byte character is incomplete the
@@ -12,9 +12,9 @@
 
 from __future__ import annotations
 
-from deployments.json_types import sse_event
-from deployments.openai_api import Choice, OpenAIFrontend, generated_logprobs, prompt_logprobs
-from deployments.tool_calls import ToolCallStream
+from dialects.json_types import sse_event
+from dialects.openai_api import Choice, OpenAIFrontend, generated_logprobs, prompt_logprobs
+from dialects.tool_calls import ToolCallStream
 from engine.outputs import RequestOutput, TokenLogprob
 
 

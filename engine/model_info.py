@@ -1,0 +1,23 @@
+"""What a served model is, as plain data: what the ingress and the dialects read about the engine
+behind a deployment (its limits, dtype, ids). Below both the Serve room (deployments/servers.py
+fills it in) and the dialects (dialects/openapi_doc.py writes its limits into the schema)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelInfo:
+    """What the ingress needs to know about the engine behind a deployment."""
+
+    model_path: str
+    model_id: str
+    vocab_size: int
+    max_model_len: int
+    max_iter_times: int
+    node_id: str
+    dtype: str
+    enable_prefix_caching: bool
+    pad_token_id: int  # the tokenizer's pad id, else the first end id: beam search's default pad_id
+    hidden_size: int  # a p-tuning table's row length
