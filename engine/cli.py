@@ -1,4 +1,5 @@
-"""The ``pdserve`` command: make the tiny model, or generate from the command line."""
+"""The ``pdserve`` command: make the tiny model, convert a GGUF file ahead of serving, or generate
+from the command line."""
 
 from __future__ import annotations
 
@@ -13,9 +14,14 @@ def main(argv: list[str] | None = None) -> int:
     tiny = commands.add_parser("make-tiny-model", help="write the embedded tiny-llama to DIR")
     tiny.add_argument("directory")
 
+    convert = commands.add_parser("convert-gguf", help="dequantize a .gguf FILE into pdserve's model cache now "
+                                  "(else the first start does it) and print the directory")
+    convert.add_argument("file")
+    convert.add_argument("--dtype", default="auto", help="the serving dtype the copy is made for")
+
     gen = commands.add_parser("generate", help="generate a completion for PROMPT with the engine in-process")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default="tiny-llama", help="a local model directory or tiny-llama")
+    gen.add_argument("--model", default="tiny-llama", help="a local model directory, a .gguf file or tiny-llama")
     gen.add_argument("--dtype", default="auto", help="auto (bfloat16 where the CPU or GPU has it), float32, ...")
     gen.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
     gen.add_argument("--device", default="cpu")
@@ -29,7 +35,23 @@ def main(argv: list[str] | None = None) -> int:
 
         print(make_tiny_model(args.directory))
         return 0
+    if args.command == "convert-gguf":
+        return _convert_gguf(args)
     return _generate(args)
+
+
+def _convert_gguf(args: argparse.Namespace) -> int:
+    from engine.execution.gguf import find_gguf
+    from engine.execution.loader import resolve_model_dir, torch_dtype
+
+    try:
+        if find_gguf(args.file) is None:
+            raise ValueError(f"model: {args.file!r} is not a .gguf file nor a directory holding one")
+        print(resolve_model_dir(args.file, torch_dtype(args.dtype)))
+    except ValueError as error:
+        print(f"pdserve: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

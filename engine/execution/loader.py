@@ -2,7 +2,8 @@
 
 Reads config.json through AutoConfig, the tokenizer through AutoTokenizer and the weights
 from *.safetensors; nothing is downloaded. "tiny-llama" names the embedded default model,
-made on first use (engine/execution/tiny_model.py).
+made on first use (engine/execution/tiny_model.py); a .gguf file is served from its
+dequantized copy (engine/execution/gguf.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.config import EngineConfig
+from engine.execution.gguf import cached_model_dir, find_gguf
 from engine.execution.model import DecoderModel, ModelSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -38,12 +40,17 @@ class LoadedModel:
     device: torch.device
 
 
-def resolve_model_dir(name: str) -> Path:
-    """A local directory, "tiny-llama", or a hub id already in the local Hugging Face cache."""
+def resolve_model_dir(name: str, dtype: torch.dtype | None = None) -> Path:
+    """A local directory, "tiny-llama", a GGUF file (or a directory holding one), or a hub id already
+    in the local Hugging Face cache. A GGUF is served from its dequantized copy in ``dtype``
+    (default: what "auto" is on the CPU), made on first use (engine/execution/gguf.py)."""
     if name == TINY_LLAMA:
         from engine.execution.tiny_model import ensure_tiny_model
 
         return ensure_tiny_model()
+    gguf_file = find_gguf(name)
+    if gguf_file is not None:
+        return cached_model_dir(gguf_file, dtype or torch_dtype("auto"))
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -56,8 +63,8 @@ def resolve_model_dir(name: str) -> Path:
     except Exception:
         raise ValueError(
             f"model: {name!r} is neither a local directory nor in the local Hugging Face cache, and pdserve "
-            "never downloads; pass a local model directory (config.json, *.safetensors, tokenizer files) "
-            f"or {TINY_LLAMA!r}") from None
+            "never downloads; pass a local model directory (config.json, *.safetensors, tokenizer files), "
+            f"a .gguf file or {TINY_LLAMA!r}") from None
 
 
 def torch_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
@@ -99,11 +106,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
-    path = resolve_model_dir(config.model)
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    spec = model_spec(hf_config)
     device = resolve_device(config.device)
     dtype = torch_dtype(config.dtype, device)
+    path = resolve_model_dir(config.model, dtype)
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    spec = model_spec(hf_config)
     model = DecoderModel(spec)
     model.load_state_dict(_fused_state_dict(path, spec), strict=True)
     model.to(device=device, dtype=dtype).eval()
