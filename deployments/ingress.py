@@ -3,7 +3,8 @@
 One FastAPI app behind ``@serve.ingress``; it holds handles to the engine deployments
 (deployments/backends.py) and to the embeddings deployment, and never runs a model itself.
 It binds the HTTP dialects (dialects/: MindIE's /infer_token in dialects/mindie.py, the
-OpenAI-compatible /v1 API in dialects/openai_api.py) to the backends; the dialects never see Ray.
+OpenAI-compatible /v1 API in dialects/openai_api.py, OpenAI's Responses in dialects/responses.py)
+to the backends; the dialects never see Ray.
 """
 
 
@@ -30,13 +31,14 @@ from deployments.health import Readiness, describe
 from deployments.metrics import IngressMetrics
 from deployments.migration import migrating
 from deployments.tracing import RequestTrace, SpanWriter, log_line, traced
-from dialects import mindie
+from dialects import mindie, responses
 from dialects.errors import (APIError, documented, error_response, on_api_error, on_http_error,
                              on_validation_error)
 from dialects.openai_api import Choice, OpenAIFrontend, now_seconds
 from dialects.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from dialects.openai_stream import StreamWriter
 from dialects.openapi_doc import Served, openapi_schema
+from dialects.responses_schema import ResponsesRequest
 from engine.execution.lora import LoraRef, ModelShape, from_trtllm
 from engine.model_info import ModelInfo
 from engine.outputs import TIMEOUT, RequestOutput
@@ -137,6 +139,7 @@ class Ingress:
         self._info: ModelInfo | None = None
         self._frontend: OpenAIFrontend | None = None
         self._openapi: dict | None = None
+        self.responses = responses.ResponseStore()  # /v1/responses' stored responses: this replica's only
         self.readiness = Readiness(self.backend, embedder)
         self._watcher = asyncio.get_running_loop().create_task(self.readiness.watch_start())
 
@@ -320,9 +323,11 @@ class Ingress:
         writer = StreamWriter(front, response_id, created, choices, chat, "" if chat else body.suffix,
                               not chat and body.logprobs is not None,
                               body.stream_options is not None and body.stream_options.include_usage)
-        return StreamingResponse(self._openai_events(streams, choices, writer), media_type=SSE)
+        return StreamingResponse(self._events(streams, choices, writer, openai_error_events), media_type=SSE)
 
-    async def _openai_events(self, streams, choices: list[Choice], writer: StreamWriter) -> AsyncIterator[str]:
+    async def _events(self, streams, choices: list[Choice], writer, on_error) -> AsyncIterator[str]:
+        """A dialect's stream: ``writer`` turns each output into its events; a failure after the
+        start ends it with ``on_error``'s events."""
         merged = merge(streams)
         try:
             async for i, output in merged:
@@ -332,9 +337,38 @@ class Ingress:
                     yield event
             yield writer.close()
         except Exception as error:  # the stream has begun: end it with an error event
-            yield openai_error_events(error)
+            yield on_error(error)
         finally:
             await merged.aclose()
+
+    # ---- OpenAI Responses: it speaks through the chat request -------------------------------
+
+    @app.post("/v1/responses", responses=GENERATION)
+    async def create_response(self, body: ResponsesRequest, http: Request):
+        exchange = responses.ResponsesExchange(body, await self.frontend(), self.responses)
+        return await self._through_chat(exchange, body, http)
+
+    @app.get("/v1/responses/{response_id}", responses=documented(404))
+    async def get_response(self, response_id: str):
+        return self.responses.get(response_id, "response_id").response
+
+    @app.delete("/v1/responses/{response_id}", responses=documented(404))
+    async def delete_response(self, response_id: str):
+        self.responses.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def _through_chat(self, exchange, body, http: Request):
+        """Start the chat request a dialect made (errors before any byte), then return the
+        dialect's whole answer or its events."""
+        http.state.priority = body.priority
+        choices = exchange.front.chat_choices(exchange.chat, exchange.id, http.state.arrival + body.timeout)
+        streams = await self.start_all(choices, http)
+        if body.stream:
+            writer = exchange.writer(choices)
+            return StreamingResponse(self._events(streams, choices, writer, lambda e: writer.fail(client_error(e))),
+                                     media_type=SSE)
+        await collect_choices(streams, choices, fail_on_timeout=True)
+        return exchange.response(choices)
 
     @app.post("/v1/embeddings", responses=documented(400, 404, 413, 503))
     async def embeddings(self, body: EmbeddingRequest):

@@ -1,0 +1,254 @@
+"""Request schema of OpenAI's Responses API (POST /v1/responses), as OpenAI's current reference
+and SDK define it: every top-level field is declared; each changes the output, is accepted as
+changing nothing here (``user``, ``metadata``, ...), or is refused with a 400 that names it and
+says why (built-in tools, background mode, ...). Unknown fields are refused. dialects/responses.py
+turns it into the chat request; docs/api.md has each decision.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator,
+                      model_validator)
+
+from dialects.json_types import Seed, StrictModel, only
+from dialects.openai_schema import MAX_TOOLS, MODEL_NAME_PATTERN, NAME_PATTERN, ServiceTier
+from dialects.through_chat import located
+
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+MAX_INPUT_ITEMS = 1024
+# Request fields that need what this server does not have: refused unless null (or their "off" value).
+UNSUPPORTED = {
+    "background": "background mode is not offered: send the request and wait for it, or stream it",
+    "conversation": "conversations are not stored here; chain responses with previous_response_id",
+    "prompt": "stored prompt templates are not offered",
+    "reasoning": "the served model has no reasoning controls",
+    "max_tool_calls": "not offered: the answer's calls are returned to you, none is run here",
+    "context_management": "context management is not offered",
+    "prompt_cache_retention": "prefix caching is by content and keeps no per-request retention",
+    "prompt_cache_options": "prefix caching is by content and takes no options",
+    "access_programs": "no access programs are offered",
+    "image": "this model reads text only",
+    "moderation": "no moderation is offered",
+    "background_options": "background mode is not offered",
+}
+# Tool types OpenAI runs itself; this server runs none of them.
+BUILT_IN_TOOLS = "web_search, file_search, computer_use, code_interpreter, image_generation, mcp, shell, ..."
+
+
+
+
+
+class TextPart(StrictModel):
+    """A message's text: input_text from the user, output_text (an earlier answer sent back)."""
+
+    type: Literal["input_text", "output_text"]
+    text: StrictStr
+    annotations: list[Any] | None = None  # output_text as this server returned it
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(StrictModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: StrictStr | Annotated[list[TextPart], Field(min_length=1)]
+    id: StrictStr | None = None  # an output message sent back as input
+    status: StrictStr | None = None
+    phase: StrictStr | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(StrictModel):
+    """A call an earlier answer made, sent back with its output."""
+
+    type: Literal["function_call"]
+    call_id: NonEmptyStr
+    name: StrictStr = Field(pattern=NAME_PATTERN)
+    arguments: StrictStr
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class FunctionCallOutputItem(StrictModel):
+    type: Literal["function_call_output"]
+    call_id: NonEmptyStr
+    output: StrictStr | Annotated[list[TextPart], Field(min_length=1)]
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+PART_TYPES = {"input_text", "output_text"}
+
+
+def _item(j: int, raw: Any) -> MessageItem | FunctionCallItem | FunctionCallOutputItem:
+    """One input item, or a ValueError naming where it is wrong ("<j>.<field>: <rule>")."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{j}: an item is an object")
+    kind = raw.get("type", "message")
+    if kind not in ITEMS:
+        raise ValueError(f"{j}.type: {kind!r} items are not supported here; send messages, function_call and "
+                         "function_call_output items")
+    parts = raw.get("content") if kind == "message" else raw.get("output")
+    for k, part in enumerate(parts if isinstance(parts, list) else []):
+        if isinstance(part, dict) and part.get("type") not in PART_TYPES:
+            where = "content" if kind == "message" else "output"
+            raise ValueError(f"{j}.{where}.{k}.type: {part.get('type')!r}: this model reads text only "
+                             "(input_text and output_text parts)")
+    try:
+        return ITEMS[kind].model_validate(raw)
+    except ValidationError as error:
+        raise located(str(j), error) from None
+
+
+class FunctionTool(StrictModel):
+    type: Literal["function"]
+    name: StrictStr = Field(pattern=NAME_PATTERN)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = Field(None, description="either way the arguments follow the schema exactly")
+
+    def as_chat_tool(self) -> dict:
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters,
+                    "strict": self.strict}
+        return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
+class NamedFunction(StrictModel):
+    type: Literal["function"]
+    name: StrictStr
+
+
+class TextFormat(StrictModel):
+    """text.format: plain text, any JSON object, or JSON that validates against ``schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = Field(None, pattern=NAME_PATTERN, description="required with json_schema")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="required with json_schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("format: json_schema needs name and schema")
+        return self
+
+    def as_response_format(self) -> dict:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        schema = {"name": self.name, "schema": self.schema_, "description": self.description, "strict": self.strict}
+        return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
+
+
+class TextConfig(StrictModel):
+    format: TextFormat | None = None
+    verbosity: Annotated[Any, only(None, description="the served model has no verbosity control")] = None
+
+    @model_validator(mode="after")
+    def _no_verbosity(self):
+        if self.verbosity is not None:
+            raise ValueError("verbosity: the served model has no verbosity control")
+        return self
+
+
+class StreamOptions(StrictModel):
+    include_obfuscation: Annotated[StrictBool, only(False, description="no obfuscation padding is added")] = False
+
+
+class ResponsesRequest(StrictModel):
+    model: StrictStr | None = Field(None, pattern=MODEL_NAME_PATTERN, description="absent: the served model")
+    input: NonEmptyStr | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
+    instructions: StrictStr | None = Field(None, description="the system message; not carried over by "
+                                                             "previous_response_id")
+    max_output_tokens: StrictInt | None = Field(None, gt=0, description="(0, max_iter_times]; absent: max_iter_times")
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="function tools only")
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: StrictBool | None = Field(None, description="false: at most one call; absent: true")
+    text: TextConfig | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    store: StrictBool = Field(True, description="kept by the ingress replica, bounded in count and age")
+    previous_response_id: StrictStr | None = None
+    include: Annotated[list[StrictStr] | None, only([], None, description="nothing extra can be included")] = None
+    truncation: Literal["disabled"] | None = Field(None, description="'auto' is refused: a prompt that does not "
+                                                                     "fit is a 400")
+    top_logprobs: Annotated[StrictInt | None, only(0, None, description="logprobs are not offered here")] = None
+    metadata: dict[str, StrictStr] | None = Field(None, description="kept with the response, echoed")
+    user: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = Field(None, description="accepted; prefix caching is by content")
+    service_tier: ServiceTier | None = Field(None, description="accepted; one tier here")
+    # Extensions, as on chat.
+    seed: Seed | None = None
+    top_k: StrictInt | None = Field(None, gt=0)
+    priority: StrictInt = Field(5, ge=1, le=5, description="1 is served first")
+    timeout: StrictInt = Field(600, gt=0, le=3600, description="seconds, queueing and generation together")
+    # Refused unless null (UNSUPPORTED says why).
+    background: Annotated[StrictBool | None, only(False, None, description=UNSUPPORTED["background"])] = None
+    conversation: Annotated[Any, only(None, description=UNSUPPORTED["conversation"])] = None
+    prompt: Annotated[Any, only(None, description=UNSUPPORTED["prompt"])] = None
+    reasoning: Annotated[Any, only(None, description=UNSUPPORTED["reasoning"])] = None
+    max_tool_calls: Annotated[Any, only(None, description=UNSUPPORTED["max_tool_calls"])] = None
+    context_management: Annotated[Any, only(None, description=UNSUPPORTED["context_management"])] = None
+    prompt_cache_retention: Annotated[Any, only(None, description=UNSUPPORTED["prompt_cache_retention"])] = None
+    prompt_cache_options: Annotated[Any, only(None, description=UNSUPPORTED["prompt_cache_options"])] = None
+    access_programs: Annotated[Any, only(None, description=UNSUPPORTED["access_programs"])] = None
+    image: Annotated[Any, only(None, description=UNSUPPORTED["image"])] = None
+    moderation: Annotated[Any, only(None, description=UNSUPPORTED["moderation"])] = None
+    background_options: Annotated[Any, only(None, description=UNSUPPORTED["background_options"])] = None
+
+    @field_validator("input")
+    @classmethod
+    def _items(cls, value):
+        return value if isinstance(value, str) else [_item(j, raw) for j, raw in enumerate(value)]
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, tools):
+        checked = []
+        for j, tool in enumerate(tools or []):
+            kind = tool.get("type")
+            if kind != "function":
+                raise ValueError(f"{j}.type: {kind!r} is a built-in tool ({BUILT_IN_TOOLS}); this server runs "
+                                 "none of them: send function tools")
+            try:
+                checked.append(FunctionTool.model_validate(tool))
+            except ValidationError as error:
+                raise located(str(j), error) from None
+        return checked if tools is not None else None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _function_choice(cls, choice):
+        if isinstance(choice, dict) and choice.get("type") != "function":
+            raise ValueError(f"type: {choice.get('type')!r}: only a function (or none, auto, required) can be "
+                             "chosen; no built-in tools are offered")
+        return choice
+
+    @model_validator(mode="after")
+    def _offered(self):
+        for name, why in UNSUPPORTED.items():
+            if getattr(self, name) not in (None, False):
+                raise ValueError(f"{name}: {why}")
+        if self.include:
+            raise ValueError(f"include: {self.include[0]!r}: nothing extra can be included here")
+        if self.top_logprobs:
+            raise ValueError("top_logprobs: logprobs are not offered on /v1/responses; use /v1/chat/completions")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            raise ValueError("stream_options.include_obfuscation: this server adds no obfuscation; send false")
+        return self
+
+    def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+        return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
