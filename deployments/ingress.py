@@ -3,8 +3,8 @@
 One FastAPI app behind ``@serve.ingress``; it holds handles to the engine deployments
 (deployments/backends.py) and to the embeddings deployment, and never runs a model itself.
 It binds the HTTP dialects (dialects/: MindIE's /infer_token in dialects/mindie.py, the
-OpenAI-compatible /v1 API in dialects/openai_api.py, OpenAI's Responses in dialects/responses.py)
-to the backends; the dialects never see Ray.
+OpenAI-compatible /v1 API in dialects/openai_api.py, OpenAI's Responses in dialects/responses.py,
+Anthropic's Messages in dialects/anthropic.py) to the backends; the dialects never see Ray.
 """
 
 
@@ -31,7 +31,8 @@ from deployments.health import Readiness, describe
 from deployments.metrics import IngressMetrics
 from deployments.migration import migrating
 from deployments.tracing import RequestTrace, SpanWriter, log_line, traced
-from dialects import mindie, responses
+from dialects import anthropic, mindie, responses
+from dialects.anthropic_schema import CountTokensRequest, MessagesRequest
 from dialects.errors import (APIError, documented, error_response, on_api_error, on_http_error,
                              on_validation_error)
 from dialects.openai_api import Choice, OpenAIFrontend, now_seconds
@@ -47,10 +48,20 @@ from engine.request import GenerationRequest
 # /openapi.json and /docs are the Ingress's own routes: the schema carries the served model's limits.
 app = FastAPI(title="pdserve", description="LLM serving with prefill/decode disaggregation on Ray Serve",
               openapi_url=None, docs_url=None, redoc_url=None)
-app.add_exception_handler(APIError, on_api_error)
-app.add_exception_handler(RequestValidationError, on_validation_error)
-app.add_exception_handler(StarletteHTTPException, on_http_error)
-app.add_exception_handler(Exception, on_unexpected_error)
+
+
+def in_route_dialect(handler):
+    """An error handler whose answers on Anthropic's routes take Anthropic's shape."""
+    async def handle(request: Request, error: Exception) -> JSONResponse:
+        response = await handler(request, error)
+        return anthropic.from_openai_error(response) if anthropic.is_route(request.url.path) else response
+    return handle
+
+
+app.add_exception_handler(APIError, in_route_dialect(on_api_error))
+app.add_exception_handler(RequestValidationError, in_route_dialect(on_validation_error))
+app.add_exception_handler(StarletteHTTPException, in_route_dialect(on_http_error))
+app.add_exception_handler(Exception, in_route_dialect(on_unexpected_error))
 
 ENGINE_WAIT_S = 5.0  # the longest any endpoint waits for a deployment's info before a 503
 SSE = "text/event-stream"
@@ -70,6 +81,8 @@ async def limit_and_count(request: Request, call_next):
     too_big = int(declared) > limit if declared and declared.isdigit() else len(await request.body()) > limit
     if too_big:
         response = error_response(413, f"the request body exceeds {limit} bytes", None, "body_too_large")
+        if anthropic.is_route(request.url.path):
+            response = anthropic.from_openai_error(response)
     else:
         response = await call_next(request)
     metrics: IngressMetrics = request.app.state.metrics
@@ -341,7 +354,7 @@ class Ingress:
         finally:
             await merged.aclose()
 
-    # ---- OpenAI Responses: it speaks through the chat request -------------------------------
+    # ---- OpenAI Responses and Anthropic Messages: each speaks through the chat request ---------
 
     @app.post("/v1/responses", responses=GENERATION)
     async def create_response(self, body: ResponsesRequest, http: Request):
@@ -356,6 +369,17 @@ class Ingress:
     async def delete_response(self, response_id: str):
         self.responses.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.post("/v1/messages", responses=GENERATION)
+    async def messages(self, body: MessagesRequest, http: Request):
+        return await self._through_chat(anthropic.MessagesExchange(body, await self.frontend()), body, http)
+
+    @app.post("/v1/messages/count_tokens", responses=documented(400, 404, 413, 503))
+    async def count_tokens(self, body: CountTokensRequest):
+        """The templated prompt's length: the chat request is made (and checked) but not started."""
+        front = await self.frontend()
+        (choice,) = front.chat_choices(anthropic.chat_request(body, front), "count-tokens", 0.0)
+        return {"input_tokens": choice.prompt_tokens}
 
     async def _through_chat(self, exchange, body, http: Request):
         """Start the chat request a dialect made (errors before any byte), then return the
