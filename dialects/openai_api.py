@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dialects import mindie
 from dialects.errors import APIError
-from dialects.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
+from dialects.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, Tool
 from dialects.tool_calls import message_tool_calls, parse_tool_calls, template_has_tool_syntax, tools_grammar
 from engine.execution.lora import LoraRef
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput, TokenLogprob
@@ -67,6 +67,7 @@ class OpenAIFrontend:
         self.served_model_name = served_model_name
         self.adapters = adapters or {}
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
         self.max_iter_times = max_iter_times
         # SPEC §2: the prompt may use what the model's length leaves after max_iter_times. A cap
         # at or above the model's length would leave nothing: then any prompt up to length - 1
@@ -95,11 +96,9 @@ class OpenAIFrontend:
     def chat_choices(self, body: ChatCompletionRequest, request_id: str, deadline: float) -> list[Choice]:
         lora = self.check_model(body.model)
         grammar = self._chat_grammar(body)
-        messages = [m.for_template() for m in body.messages]
         # Tools are shown to the model only when it may call them (tool_choice "none" hides them).
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tool_mode() else None
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        tools = body.tools if body.tool_mode() else None
+        prompt_ids = self._truncated(self.chat_prompt_ids(body.messages, tools), body)
         if len(prompt_ids) > self.max_prompt_tokens:
             raise APIError(400, f"messages: the templated prompt has {len(prompt_ids)} tokens; at most "
                                 f"{self.max_prompt_tokens} fit (model length minus max_iter_times)", "messages",
@@ -108,6 +107,15 @@ class OpenAIFrontend:
         request = GenerationRequest(f"{request_id}-0", prompt_ids, params, body.priority, deadline, body.n,
                                     prompt_lookup=body.prompt_lookup, lora=lora)
         return [Choice(j, 0, len(prompt_ids), request, may_call_tools=tools is not None) for j in range(body.n)]
+
+    def chat_prompt_ids(self, messages: list[ChatMessage], tools: list[Tool] | None, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+        """The messages through the tokenizer's chat template, as token ids (chat, /tokenize)."""
+        text = self.tokenizer.apply_chat_template(
+            [m.for_template() for m in messages], tools=[t.model_dump(exclude_none=True) for t in tools or []] or None,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _chat_grammar(self, body: ChatCompletionRequest) -> Grammar | None:
         """What the output must match: the tool-call grammar, structured_outputs' or response_format's,
@@ -127,7 +135,10 @@ class OpenAIFrontend:
         for j, parameters in enumerate(functions.values()):
             self._check(Grammar("json_schema", json.dumps(parameters, sort_keys=True),
                                 f"tools.{j}.function.parameters"))
-        grammar = tools_grammar(functions, mode, parallel=body.parallel_tool_calls is not False)
+        # A named function is called exactly once, as OpenAI and vLLM do: the grammar completes
+        # after one call (then only EOS may follow), whatever parallel_tool_calls says.
+        parallel = body.parallel_tool_calls is not False and mode in ("auto", "required")
+        grammar = tools_grammar(functions, mode, parallel=parallel)
         self._check(grammar)
         return grammar
 
@@ -173,6 +184,7 @@ class OpenAIFrontend:
                 raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                param, "invalid_value")
             prompt_ids = list(prompt)
+        prompt_ids = self._truncated(prompt_ids, body)
         if len(prompt_ids) > self.max_prompt_tokens:
             if body.error_behavior == "error":
                 raise APIError(400, f"{param}: {len(prompt_ids)} tokens; at most {self.max_prompt_tokens} fit "
@@ -180,6 +192,16 @@ class OpenAIFrontend:
                                     "the last ones", param, "context_length_exceeded")
             prompt_ids = prompt_ids[-self.max_prompt_tokens:]
         return prompt_ids
+
+    def _truncated(self, prompt_ids: list[int], body: SamplingFields) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as fit)."""
+        keep = body.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep > self.max_prompt_tokens:
+            raise APIError(400, f"truncate_prompt_tokens: at most {self.max_prompt_tokens} (model length minus "
+                                "max_iter_times), or -1", "truncate_prompt_tokens", "invalid_value")
+        return prompt_ids[-(self.max_prompt_tokens if keep == -1 else keep):]
 
     def _params(self, body: SamplingFields, logprobs: int | None, prompt_logprobs: int | None = None,
                 max_new_tokens: int | None = None, grammar: Grammar | None = None) -> SamplingParams:
@@ -194,11 +216,19 @@ class OpenAIFrontend:
                 raise APIError(400, f"logit_bias: key {key!r} is not a token id in [0, {self.vocab_size})",
                                "logit_bias", "invalid_value")
             bias[int(key)] = value
+        stop_ids = body.stop_token_ids or []
+        for j, token_id in enumerate(stop_ids):
+            if token_id >= self.vocab_size:
+                raise APIError(400, f"stop_token_ids.{j}: token id {token_id} is outside the vocabulary "
+                                    f"[0, {self.vocab_size})", f"stop_token_ids.{j}", "invalid_value")
         return SamplingParams(
             max_new_tokens=max_new_tokens or limit or self.max_iter_times, temperature=body.temperature,
-            top_p=body.top_p, top_k=body.top_k or 0, presence_penalty=body.presence_penalty,
+            top_p=body.top_p, top_k=max(body.top_k or 0, 0), min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop_list(), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, logit_bias=bias, ignore_eos=body.ignore_eos, grammar=grammar)
+            prompt_logprobs=prompt_logprobs, logit_bias=bias, ignore_eos=body.ignore_eos, grammar=grammar,
+            min_new_tokens=body.min_tokens, stop_token_ids=[[t] for t in stop_ids],
+            skip_special_tokens=body.skip_special_tokens)
 
     # ---- responses out -----------------------------------------------------------------
 

@@ -23,6 +23,7 @@ MODEL_NAME_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,254}[A-Za-z0-9])?$"
 MAX_MESSAGES_BYTES = 512 * 1024  # total content of a chat request
 MAX_N = MAX_CHOICES  # choices per prompt (OpenAI's limit too)
 MAX_STOP = 16  # stop strings per request
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
 MAX_BATCH_PROMPTS = 64  # prompts in one completions request, inputs in one embeddings request
 MAX_TOOLS = 32  # Databricks' limits (seeds/002)
 MAX_TOOL_PROPERTIES = 15  # properties of one function's parameters
@@ -80,7 +81,7 @@ class SamplingFields(StrictModel):
         None, ge=0, description="(0, max_iter_times]; absent: max_iter_times. 0 only on completions with echo")
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0, description="[0, 2]; 0 is greedy")
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(None, gt=0, description="absent: no top-k")
+    top_k: StrictInt | None = Field(None, ge=-1, description="absent, 0 or -1 (vLLM's 'off'): no top-k")
     presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     seed: Seed | None = Field(None, description="absent: the server draws one")
@@ -91,14 +92,35 @@ class SamplingFields(StrictModel):
     logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = None
     user: StrictStr | None = Field(None, description="accepted; identifies the caller, changes nothing")
     # Extensions, as on /infer_token.
-    priority: StrictInt = Field(5, ge=1, le=5, description="1 is served first")
+    priority: StrictInt = Field(5, ge=0, le=5, description="1 is served first, 5 last; 0 (vLLM's default) is 5")
     timeout: StrictInt = Field(600, gt=0, le=3600, description="seconds, queueing and generation together")
     ignore_eos: StrictBool = False
+    # vLLM's sampling extensions (docs/api.md): each reaches the engine's own control.
+    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top one's probability")
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=2.0, description="transformers' rule over prompt and "
+                                                                              "output; 1 is off")
+    min_tokens: StrictInt = Field(0, ge=0, description="EOS is held back until this many tokens are generated")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description="token ids that end the output (the token is kept in it, as vLLM does)")
+    skip_special_tokens: StrictBool = Field(True, description="false: special tokens are written into the text")
+    truncate_prompt_tokens: Annotated[StrictInt, WithJsonSchema({"anyOf": [
+        {"const": -1}, {"type": "integer", "minimum": 1}]})] | None = Field(
+        None, ge=-1, description="keep only the prompt's last k tokens (chat: of the templated prompt); -1: as many "
+                                 "as fit")
+    include_stop_str_in_output: Annotated[StrictBool, only(False, description=(
+        "the matched stop string is always cut from the text here"))] = False
+    spaces_between_special_tokens: Annotated[StrictBool, only(True, description=(
+        "fast tokenizers always decode without added spaces; the value that matches them"))] = True
     structured_outputs: StructuredOutputs | None = Field(
         None, description="vLLM's extension: a regex or a choice list the output must match")
     prompt_lookup: StrictBool | None = Field(
         None, description="speculative decoding by prompt lookup, the same output sooner on text that repeats its "
                           "prompt (docs/serving.md); absent: the server's setting")
+
+    @field_validator("priority")
+    @classmethod
+    def _vllm_default_priority(cls, priority: int) -> int:
+        return 5 if priority == 0 else priority  # vLLM's default 0 is "no priority": served as the default here
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -107,8 +129,29 @@ class SamplingFields(StrictModel):
         """The requested cap on generated tokens (chat's max_completion_tokens wins)."""
         return self.max_tokens
 
+    def has_grammar(self) -> bool:
+        return self.structured_outputs is not None
+
     @model_validator(mode="after")
-    def _stream_options(self):
+    def _sampling_fields(self):
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens: must be >= 1, or -1 for as many as fit")
+        if self.include_stop_str_in_output:
+            raise ValueError("include_stop_str_in_output: the matched stop string is always cut from the text here; "
+                             "send false")
+        if not self.spaces_between_special_tokens:
+            raise ValueError("spaces_between_special_tokens: this server decodes with a fast tokenizer, which adds "
+                             "no spaces between special tokens; send true")
+        if self.min_tokens:
+            limit = self.output_limit()
+            if limit is not None and self.min_tokens > limit:
+                raise ValueError(f"min_tokens: must be <= the output limit ({limit})")
+            if self.stop or self.stop_token_ids:
+                raise ValueError("min_tokens: cannot be combined with stop or stop_token_ids here (only EOS is held "
+                                 "back until min_tokens)")
+            if self.has_grammar():
+                raise ValueError("min_tokens: cannot be combined with a grammar (response_format, structured_outputs "
+                                 "or tools): once the grammar is complete only EOS may follow")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.stream_options is not None and self.stream_options.include_obfuscation:
@@ -309,6 +352,10 @@ class ChatCompletionRequest(SamplingFields):
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def has_grammar(self) -> bool:
+        return (self.structured_outputs is not None or self.tool_mode() is not None
+                or (self.response_format is not None and self.response_format.type != "text"))
 
     @field_validator("messages")
     @classmethod

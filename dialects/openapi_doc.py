@@ -98,9 +98,21 @@ def add_rules_across_fields(schemas: dict) -> None:
     parameters["properties"] = {"type": {"const": "object"},
                                 "properties": {"type": "object", "maxProperties": MAX_TOOL_PROPERTIES}}
     completion["allOf"] = [streaming, _when("max_tokens", {"const": 0}, _must("echo", True)),
-                           _when("stream", {"const": True}, {"properties": {"best_of": {"enum": [None, 1]}}})]
+                           _when("stream", {"const": True}, {"properties": {"best_of": {"enum": [None, 1]}}}),
+                           _min_tokens_rule({})]
+    chat["allOf"].append(_min_tokens_rule({"tools": {"anyOf": [{"type": "null"}, {"maxItems": 0}]},
+                                           "response_format": {"anyOf": [{"type": "null"}, {"properties": {
+                                               "type": {"const": "text"}}}]}}))
     token_input = {"type": "array", "items": {"type": ["integer", "array"]}}
     embedding["allOf"] = [_when("input", token_input, {"properties": {"instruction": {"type": "null"}}})]
+
+
+def _min_tokens_rule(no_grammar: dict) -> dict:
+    """min_tokens above 0 only without stop strings, stop_token_ids or a grammar (``no_grammar``:
+    chat's tools and response_format, besides structured_outputs)."""
+    return _when("min_tokens", {"type": "integer", "minimum": 1}, {"properties": {
+        "stop": {"type": "null"}, "stop_token_ids": {"anyOf": [{"type": "null"}, {"maxItems": 0}]},
+        "structured_outputs": {"type": "null"}, **no_grammar}})
 
 
 def _tool_rules() -> list[dict]:
@@ -162,8 +174,14 @@ def add_model_limits(schema: dict, served: Served) -> None:
     last_id = info.vocab_size - 1
     infer, parameters = schemas["InferTokenRequest"]["properties"], schemas["InferParameters"]["properties"]
     for node in (infer["input_id"], parameters["stop_words"], parameters["bad_words"], parameters["end_id"],
-                 parameters["draft_input_ids"], schemas["CompletionRequest"]["properties"]["prompt"]):
+                 parameters["draft_input_ids"], schemas["CompletionRequest"]["properties"]["prompt"],
+                 schemas["CompletionRequest"]["properties"]["stop_token_ids"],
+                 schemas["ChatCompletionRequest"]["properties"]["stop_token_ids"]):
         _cap(node, "maximum", last_id)
+    gap = info.max_model_len - info.max_iter_times  # the longest prompt (dialects/openai_api.py)
+    for request in ("ChatCompletionRequest", "CompletionRequest"):
+        _cap(schemas[request]["properties"]["truncate_prompt_tokens"], "maximum",
+             gap if gap > 0 else info.max_model_len - 1)
     for key in ("minItems", "maxItems"):
         _cap(parameters["embedding_bias"], key, info.vocab_size)
     for request in ("ChatCompletionRequest", "CompletionRequest"):

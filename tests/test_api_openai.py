@@ -1,6 +1,7 @@
 """The OpenAI-compatible API on the PD and colocated apps, through the official openai client."""
 
 import base64
+import json
 
 import httpx
 import numpy as np
@@ -17,8 +18,9 @@ from engine.request import GenerationRequest
 from engine.execution.tiny_model import ensure_tiny_model
 from sampling import SamplingParams
 from tests.serving import serve_session
+from tests.test_vllm_extensions import vllm_bench_chat, vllm_bench_completion
 
-MODEL = "tiny-llama"
+MODEL = "tiny-llama"  # vllm_bench_* name it too
 CAP = 64  # max_iter_times of these apps
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Grüße, wie geht's?"}]
 
@@ -102,6 +104,22 @@ def test_raw_stream_ends_with_done(base_url):
     blocks = [b for b in response.text.split("\n\n") if b]
     assert response.headers["content-type"].startswith("text/event-stream")
     assert blocks[-1] == "data: [DONE]" and all(b.startswith("data: {") for b in blocks[:-1])
+
+
+@pytest.mark.parametrize("app", APPS)
+def test_vllm_bench_serve_bodies_succeed(base_url, app):
+    """The bodies `vllm bench serve` sends by default (its openai and openai-chat backends, with
+    --ignore-eos; tests/test_vllm_extensions.py builds them as vLLM's source does): a 200 stream
+    of chunks, then usage with every token, then [DONE]."""
+    for path, body in (("completions", vllm_bench_completion("Hello there", 6)),
+                       ("chat/completions", vllm_bench_chat("Hello there", 6))):
+        with httpx.stream("POST", f"{base_url}/{app}/v1/{path}", json={**body, "ignore_eos": True},
+                          timeout=60) as response:
+            assert response.status_code == 200, response.read()
+            events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert any(c["choices"] for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 6
 
 
 @pytest.mark.parametrize("app", APPS)

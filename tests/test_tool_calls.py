@@ -135,6 +135,22 @@ def test_a_valid_call_for_every_seed(engine, front, tool_choice):
     assert names == {"add"} if isinstance(tool_choice, dict) else names <= set(FUNCTIONS)
 
 
+def test_a_named_choice_makes_exactly_one_call_for_every_seed(engine, front):
+    """As OpenAI and vLLM: a named function is called once, then the output ends ("tool_calls"),
+    with parallel_tool_calls left at its default (true)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choices = [chat_request(front, seed, tool_choice=named)[0] for seed in SEEDS]
+    outputs = engine.generate([c.request for c in choices])
+    for choice in choices:
+        choice.outputs = [outputs[choice.request.request_id]]
+        message, called = front.chat_message(choice)
+        assert called and len(message["tool_calls"]) == 1, choice.final.text
+        assert front.finish_reason(choice.final, called=called) == "tool_calls"
+        call = message["tool_calls"][0]["function"]
+        assert call["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["arguments"]), WEATHER)
+
+
 def test_prefill_and_decode_equal_one_engine(engine, front):
     p, d = LLMEngine(EngineConfig(model="tiny-llama")), LLMEngine(EngineConfig(model="tiny-llama"))
     for seed in range(1, 6):
