@@ -46,6 +46,14 @@ class _EngineServer:
     def stats(self):
         return self.engine.stats()
 
+    def holdings(self) -> dict[str, int]:
+        """What this replica holds for requests: KV blocks, prefix holds, requests in the engine
+        (as of its last step, which is its state once idle) and callers' streams open now. The
+        tests' leak checks read it from every replica, one by one (tests/serving.py)."""
+        stats = self.engine.stats()
+        return {"blocks_used": stats.blocks_used, "prefix_holds": stats.prefix_holds,
+                "requests": stats.requests, "streams": self.engine.num_streams()}
+
     def load(self) -> dict[str, float]:
         """This replica's load, for its router and its autoscaling policy: requests (running and
         waiting) and the fraction of KV blocks held."""

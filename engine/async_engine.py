@@ -48,6 +48,8 @@ class EngineStats:
     spec_decode_num_draft_tokens: int  # draft tokens verified
     spec_decode_num_accepted_tokens: int  # of those, the ones that stood
     dtype: str
+    requests: int  # requests with a sequence here: running, waiting, or receiving their KV
+    prefix_holds: int  # prefixes held for requests that have not come yet (engine/prefix_holds.py)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -124,7 +126,12 @@ class AsyncEngine:
                            dict(self._finished), blocks.prefix_queries, blocks.prefix_hits,
                            scheduler.num_prompt_tokens_computed, scheduler.queued_prompt_tokens(),
                            drafter.num_drafts, drafter.num_draft_tokens, drafter.num_accepted_tokens,
-                           self.engine.dtype)
+                           self.engine.dtype, len(self.engine.active_request_ids()), len(self.engine.holds))
+
+    def num_streams(self) -> int:
+        """Callers' streams open now (read live: a stream closes on the caller's loop, after the last step)."""
+        with self._lock:
+            return len(self._streams)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

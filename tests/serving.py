@@ -66,11 +66,75 @@ def sigkill(process: psutil.Process) -> None:
     assert not process.is_running()
 
 
-def replicas(deployment: str) -> set[str]:
-    """The names of a deployment's live replica actors."""
+def replicas(deployment: str, app: str | None = None) -> set[str]:
+    """The names of a deployment's live replica actors (of ``app`` only, when given). A replica's
+    actor name is its full Serve id, "SERVE_REPLICA::<app>#<deployment>#<unique id>"."""
     import ray
 
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f"#{deployment}#" in a["name"]}
+    part = f"::{app}#{deployment}#" if app is not None else f"#{deployment}#"
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if part in a["name"]}
+
+
+REPLICA_CALL_TIMEOUT_S = 60
+
+
+def call_replica(name: str, method: str, *args):
+    """Call ``method`` of the one replica actor ``name``, bypassing Serve's routing (a handle would
+    send the call to any replica). Goes in by the entry point a handle's call takes
+    (``handle_request``, with the metadata naming the method), so the replica runs it as any call."""
+    import pickle
+    import uuid
+
+    import ray
+    from ray.serve._private.common import RequestMetadata
+
+    call_id = uuid.uuid4().hex
+    metadata = RequestMetadata(request_id=call_id, internal_request_id=call_id, call_method=method,
+                               app_name=name.split("::", 1)[1].split("#")[0])
+    actor = ray.get_actor(name, namespace="serve")
+    return ray.get(actor.handle_request.remote(pickle.dumps(metadata), *args), timeout=REPLICA_CALL_TIMEOUT_S)
+
+
+def holdings(deployment: str, app: str) -> dict[str, dict[str, int]]:
+    """Every live replica of ``deployment`` asked, one by one, what it holds for requests (KV
+    blocks, prefix holds, requests in its engine, open streams: ``_EngineServer.holdings``)."""
+    names = replicas(deployment, app)
+    assert names, f"{app}/{deployment} has no live replica to read"
+    return {name: call_replica(name, "holdings") for name in sorted(names)}
+
+
+def holding(deployment: str, app: str) -> dict[str, dict[str, int]]:
+    """The replicas of ``deployment`` that hold anything, with what they hold ({} when none does)."""
+    return {name: held for name, held in holdings(deployment, app).items() if any(held.values())}
+
+
+def work_done(deployment: str, app: str) -> dict[str, int]:
+    """What the replicas of ``deployment`` have done so far, every replica read directly and summed:
+    choices ended, prompt tokens computed and looked up in the prefix cache, draft tokens
+    verified; and the prefixes they hold now. Unchanged across a call: no replica did any work for it."""
+    total = dict.fromkeys(("finished", "prompt_tokens_computed", "prefix_cache_queries", "draft_tokens",
+                           "prefix_holds"), 0)
+    for name in sorted(replicas(deployment, app)):
+        stats = call_replica(name, "stats")
+        total["finished"] += sum(stats.finished_by_reason.values())
+        total["prompt_tokens_computed"] += stats.prompt_tokens_computed
+        total["prefix_cache_queries"] += stats.prefix_cache_queries
+        total["draft_tokens"] += stats.spec_decode_num_draft_tokens
+        total["prefix_holds"] += stats.prefix_holds
+    return total
+
+
+def assert_nothing_held(deployments: list[str], app: str, timeout_s: float = 60) -> None:
+    """Within ``timeout_s`` (cancellations take a step or two to land), no replica of any of
+    ``deployments`` holds a block, a prefix, a request or a stream. Fails naming what is held, where."""
+    held: dict = {}
+
+    def none_held() -> bool:
+        held.clear()
+        held.update({name: h for d in deployments for name, h in holding(d, app).items()})
+        return not held
+
+    assert wait_until(none_held, timeout_s, interval_s=0.5), f"held after {timeout_s} s: {held}"
 
 
 def processes(deployment: str, app: str = "pd") -> list[psutil.Process]:

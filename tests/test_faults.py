@@ -25,8 +25,8 @@ from deployments.failures import client_error
 from dialects.errors import APIError
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import (RAY_INTERNALS, migrations, processes, replicas, serve_session, sigkill, stopped,
-                           wait_until)
+from tests.serving import (RAY_INTERNALS, assert_nothing_held, migrations, processes, replicas, serve_session,
+                           sigkill, stopped)
 
 LONG = 1500  # tokens a stream asks for: it is still running when the replica is killed
 DECODE_REPLICAS = 2
@@ -164,7 +164,7 @@ def test_decode_replica_stopped_mid_stream_its_streams_move_and_complete_while_i
     assert 0 < moved <= len(texts)  # each stream on the stopped D moved once, to the live one
     assert streamed == [reference_text(base_url, path, body) for path, body in bodies(False)]
     # Running again, the stopped D learns its calls were cancelled and frees what they held.
-    assert wait_until(lambda: engines_idle("DecodeServer"), 120)
+    assert_nothing_held(["DecodeServer"], "pd", 120)
 
 
 def serving_resumes(url: str, killed: str) -> None:
@@ -261,14 +261,6 @@ def test_the_one_colocated_replica_killed_mid_stream_the_stream_waits_and_comple
     assert text_of(path, events) == reference_text(f"{base_url}/co", path, body)
 
 
-def engines_idle(deployment: str, app: str = "pd") -> bool:
-    """Every replica of ``deployment`` holds no block and runs nothing (eight calls, each routed to
-    a replica at random: with two replicas, all eight miss one with probability 1/128)."""
-    handle = serve.get_deployment_handle(deployment, app_name=app)
-    return all(s.blocks_used == 0 and s.running == 0 and not sum(s.waiting_by_priority.values())
-               for s in (handle.stats.remote().result() for _ in range(8)))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("held", ["PrefillServer", "DecodeServer"])
 def test_a_client_that_leaves_while_queued_or_in_transfer_leaves_nothing_held(base_url, held):
@@ -286,5 +278,5 @@ def test_a_client_that_leaves_while_queued_or_in_transfer_leaves_nothing_held(ba
                 assert response.status_code == 200  # P's first token is here: the request is between P and D
                 next(line for line in response.iter_lines() if line.startswith("data: "))
         # the client has gone
-    assert wait_until(lambda: engines_idle("PrefillServer") and engines_idle("DecodeServer"), 120)
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pd", 120)  # every replica, each read directly
     eventually_ok(base_url)

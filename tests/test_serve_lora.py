@@ -99,9 +99,8 @@ def test_task_weights_once_then_the_id_alone_on_p_and_d(base_url, reference):
         for _ in range(2):
             again = infer(base_url, app, lora_task_id=11)
             assert again.status_code == 200 and again.json()["generated_text"] == texts["task"], again.text
-    for app, deployment in (("pd", "PrefillServer"), ("pd", "DecodeServer"), ("co", "LLMServer")):
-        handle = serve.get_deployment_handle(deployment, app_name=app)
-        assert wait_until(lambda: handle.stats.remote().result().blocks_used == 0, 60), (app, deployment)
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pd")  # every replica, each read directly
+    assert_nothing_held(["LLMServer"], "co")
 
 
 def test_the_oldest_task_is_forgotten_past_max_lora_tasks(base_url):
