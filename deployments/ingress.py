@@ -39,6 +39,8 @@ from dialects.openai_api import Choice, OpenAIFrontend, now_seconds
 from dialects.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from dialects.openai_stream import StreamWriter
 from dialects.openapi_doc import Served, openapi_schema
+from dialects import tokenize as tokenize_api
+from dialects.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from dialects.responses_schema import ResponsesRequest
 from engine.execution.lora import LoraRef, ModelShape, from_trtllm
 from engine.model_info import ModelInfo
@@ -410,6 +412,17 @@ class Ingress:
                 "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(v, body.encoding_format)}
                          for i, v in enumerate(result.vectors)],
                 "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
+
+    # ---- vLLM's tokenizer routes -------------------------------------------------------
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=documented(400, 404, 413, 503))
+    async def tokenize(self, body: TokenizeRequest):
+        """A prompt, or chat messages through the model's chat template, as token ids (vLLM's shape)."""
+        return tokenize_api.tokenize(await self.frontend(), body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=documented(400, 404, 413, 503))
+    async def detokenize(self, body: DetokenizeRequest):
+        return tokenize_api.detokenize(await self.frontend(), body)
 
     # ---- operations --------------------------------------------------------------------
 

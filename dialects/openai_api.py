@@ -9,6 +9,7 @@ import json
 import re
 import time
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from dialects import mindie
@@ -111,10 +112,15 @@ class OpenAIFrontend:
     def chat_prompt_ids(self, messages: list[ChatMessage], tools: list[Tool] | None, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
         """The messages through the tokenizer's chat template, as token ids (chat, /tokenize)."""
-        text = self.tokenizer.apply_chat_template(
-            [m.for_template() for m in messages], tools=[t.model_dump(exclude_none=True) for t in tools or []] or None,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            tokenize=False)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [m.for_template() for m in messages],
+                tools=[t.model_dump(exclude_none=True) for t in tools or []] or None,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                tokenize=False)
+        except TemplateError as error:  # the template's own raise_exception: it refuses these messages
+            raise APIError(400, f"messages: the model's chat template refuses them: {error}", "messages",
+                           "invalid_value") from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _chat_grammar(self, body: ChatCompletionRequest) -> Grammar | None:

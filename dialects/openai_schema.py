@@ -238,6 +238,16 @@ class ChatMessage(StrictModel):
         return message
 
 
+def check_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """What a chat template may take: one system (or developer) message, first; a bounded size."""
+    roles = ["system" if m.role == "developer" else m.role for m in messages]
+    if "system" in roles[1:]:
+        raise ValueError("a system (or developer) message may appear only once, as the first message")
+    if sum(len(m.text().encode()) for m in messages) > MAX_MESSAGES_BYTES:
+        raise ValueError(f"the messages' content exceeds {MAX_MESSAGES_BYTES // 1024} KB")
+    return messages
+
+
 def _json_or_text(text: str) -> Any:
     try:
         return json.loads(text)
@@ -360,12 +370,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("messages")
     @classmethod
     def _messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        roles = ["system" if m.role == "developer" else m.role for m in messages]
-        if "system" in roles[1:]:
-            raise ValueError("a system (or developer) message may appear only once, as the first message")
-        if sum(len(m.text().encode()) for m in messages) > MAX_MESSAGES_BYTES:
-            raise ValueError(f"the messages' content exceeds {MAX_MESSAGES_BYTES // 1024} KB")
-        return messages
+        return check_messages(messages)
 
     @model_validator(mode="after")
     def _chat_fields(self):

@@ -105,6 +105,20 @@ def add_rules_across_fields(schemas: dict) -> None:
                                                "type": {"const": "text"}}}]}}))
     token_input = {"type": "array", "items": {"type": ["integer", "array"]}}
     embedding["allOf"] = [_when("input", token_input, {"properties": {"instruction": {"type": "null"}}})]
+    tokenize = schemas["TokenizeRequest"]
+    tokenize["properties"]["messages"]["anyOf"][0].update(chat["properties"]["messages"])
+    tokenize["allOf"] = _tokenize_rules()
+
+
+def _tokenize_rules() -> list[dict]:
+    """/tokenize: exactly one of prompt and messages; tools and continue_final_message only with
+    messages; continue_final_message needs add_generation_prompt false."""
+    with_prompt = {"required": ["prompt"], "properties": {
+        "prompt": {"type": "string"}, "messages": {"type": "null"}, "tools": {"type": "null"},
+        "continue_final_message": {"const": False}}}
+    with_messages = {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}
+    return [{"anyOf": [with_prompt, with_messages]},
+            _when("continue_final_message", {"const": True}, _must("add_generation_prompt", False))]
 
 
 def _min_tokens_rule(no_grammar: dict) -> dict:
@@ -168,6 +182,8 @@ def add_model_limits(schema: dict, served: Served) -> None:
         parameter["schema"]["enum"] = names
     for request in ("ChatCompletionRequest", "CompletionRequest"):
         schemas[request]["properties"]["model"]["enum"] = generators
+    for request in ("TokenizeRequest", "DetokenizeRequest"):
+        schemas[request]["properties"]["model"]["anyOf"][0]["enum"] = generators
     if served.embedding_name is not None:
         schemas["EmbeddingRequest"]["properties"]["model"]["anyOf"][0]["enum"] = [served.embedding_name]
         _cap(schemas["EmbeddingRequest"]["properties"]["input"], "maximum", served.embedding_vocab - 1)
@@ -176,7 +192,8 @@ def add_model_limits(schema: dict, served: Served) -> None:
     for node in (infer["input_id"], parameters["stop_words"], parameters["bad_words"], parameters["end_id"],
                  parameters["draft_input_ids"], schemas["CompletionRequest"]["properties"]["prompt"],
                  schemas["CompletionRequest"]["properties"]["stop_token_ids"],
-                 schemas["ChatCompletionRequest"]["properties"]["stop_token_ids"]):
+                 schemas["ChatCompletionRequest"]["properties"]["stop_token_ids"],
+                 schemas["DetokenizeRequest"]["properties"]["tokens"]):
         _cap(node, "maximum", last_id)
     gap = info.max_model_len - info.max_iter_times  # the longest prompt (dialects/openai_api.py)
     for request in ("ChatCompletionRequest", "CompletionRequest"):

@@ -3,7 +3,8 @@ no JSON Schema can state, relations between values: a completion's ``best_of`` m
 its ``n``; ``min_tokens`` at most the output limit; tool names are unique, a named
 ``tool_choice`` names one of them, a tool message answers an earlier call; a function's
 ``parameters`` and a ``structured_outputs.regex`` compile in the grammar engine, and grammars run
-without prompt lookup; on /infer_token, beam search's
+without prompt lookup; /tokenize continues a final message only when it is the assistant's;
+on /infer_token, beam search's
 exclusions and limits, a p-tuning table that fills its shape and matches the model, logits within
 the server's size limit, draft tokens within the vocabulary and max_draft_tokens, draft logits
 one row each, and LoRA tensors that go together, fit the model, and task ids the app holds.
@@ -32,6 +33,7 @@ def filter_failure(context, failure, case, response) -> bool:
                 and "grammar engine" in message
                 or param == "prompt_lookup" and "without drafts" in message
                 or param == "min_tokens" and "must be <= the output limit" in message
+                or param == "continue_final_message" and "the last message must be" in message
                 or _infer_token_relation(param, message))
 
 

@@ -123,6 +123,23 @@ def test_vllm_bench_serve_bodies_succeed(base_url, app):
 
 
 @pytest.mark.parametrize("app", APPS)
+def test_tokenize_and_detokenize_as_vllm_shapes_them(base_url, reference, app):
+    engine, tokenizer = reference
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+                                  add_special_tokens=False)
+    chat = httpx.post(f"{base_url}/{app}/tokenize", json={"model": MODEL, "messages": MESSAGES}, timeout=60)
+    assert chat.status_code == 200, chat.text
+    assert chat.json() == {"count": len(prompt_ids), "max_model_len": engine.max_model_len, "tokens": prompt_ids,
+                           "token_strs": None}
+    text = httpx.post(f"{base_url}/{app}/tokenize", json={"prompt": "Grüße"}, timeout=60).json()
+    assert text["tokens"] == tokenizer.encode("Grüße")
+    back = httpx.post(f"{base_url}/{app}/detokenize", json={"tokens": text["tokens"][1:]}, timeout=60)
+    assert back.status_code == 200 and back.json() == {"prompt": "Grüße"}
+    refused = httpx.post(f"{base_url}/{app}/detokenize", json={"tokens": [10**6]}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens.0"
+
+
+@pytest.mark.parametrize("app", APPS)
 def test_n_choices_are_independent_and_seeded(base_url, app):
     c = client(base_url, app)
     args = dict(model=MODEL, messages=MESSAGES, max_tokens=8, n=3, seed=11, temperature=1.0)
