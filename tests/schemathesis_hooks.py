@@ -34,7 +34,18 @@ def filter_failure(context, failure, case, response) -> bool:
                 or param == "prompt_lookup" and "without drafts" in message
                 or param == "min_tokens" and "must be <= the output limit" in message
                 or param == "continue_final_message" and "the last message must be" in message
-                or _infer_token_relation(param, message))
+                or _infer_token_relation(param, message) or _through_chat_relation(param, message))
+
+
+def _through_chat_relation(param: str, message: str) -> bool:
+    """Responses' and Anthropic's relations (dialects/responses.py, anthropic.py; Anthropic's
+    errors name no ``param``): a tool output or result that answers no call, a system message
+    after the input's first items, a block of the other role's, a tool_choice or tools' names."""
+    return bool("answers no earlier" in message and (param == "input" or message.startswith("messages"))
+                or param == "input" and "may only lead the input" in message
+                or re.match(r"messages\.\d+\.content\.\d+: tool_(use|result) blocks are the", message)
+                or message.startswith("tool_choice.name: no tool is named")
+                or re.match(r"tools\.\d+\.function\.name: .* is defined twice", message))
 
 
 def _infer_token_relation(param: str, message: str) -> bool:
@@ -42,11 +53,15 @@ def _infer_token_relation(param: str, message: str) -> bool:
     beams = ("does not combine with beam search" in message or param == "stream" and "beam search" in message
              or param == "parameters.beam_width" and "max_beam_width" in message
              or param == "parameters.pad_id" and ("beam_width > 1" in message or "vocabulary" in message))
-    table = param.startswith(("parameters.prompt_embedding_table", "parameters.prompt_vocab_size")) or \
+    # A check across fields says "<field>: <rule>": only such a refusal, of the field it names, is
+    # a relation. A schema error on the same fields (pydantic's "Input should be ...") stands.
+    named = message.startswith(f"{param}:")
+    table = param.startswith(("parameters.prompt_embedding_table", "parameters.prompt_vocab_size")) and named or \
         param == "input_id" and "prompt table" in message
     logits = param in ("parameters.return_context_logits", "parameters.return_generation_logits") and \
         "max_logits_floats" in message
-    drafts = param.startswith("parameters.draft_logits") or \
+    drafts = param.startswith("parameters.draft_logits") and named or \
         param == "parameters.draft_input_ids" and ("max_draft_tokens" in message or "vocabulary" in message)
-    lora = param.startswith("parameters.lora_") or param == "lora"  # pairing, shapes against the model, ids not held
+    # pairing, shapes against the model, ids not held
+    lora = (param.startswith("parameters.lora_") or param == "lora") and named
     return beams or table or logits or drafts or lora

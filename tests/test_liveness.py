@@ -30,9 +30,11 @@ def test_a_silent_stream_gets_heartbeats_while_the_engine_runs_then_its_items_in
         inner = Silent(["a", "b"])
         seen = []
         async for item in heartbeats(inner.stream(), 0.01, lambda: True):
+            assert not inner.closed
             seen.append(item)
             if len(seen) == 3:  # three heartbeats of silence, then the items come
                 inner.go.set()
+        assert inner.closed  # here, inside the loop: asyncio.run would close it on the way out
         return seen
 
     seen = asyncio.run(run())
@@ -45,9 +47,18 @@ def test_no_heartbeat_from_a_dead_engine_and_leaving_early_closes_the_stream():
         outer = heartbeats(inner.stream(), 0.01, lambda: False)
         with pytest.raises(TimeoutError):  # silence: a dead engine thread says nothing
             await asyncio.wait_for(anext(outer), 0.2)
-        return inner
+        # Checked here, with the loop still running: asyncio.run closes every open async
+        # generator on its way out, so a check after it would pass whatever heartbeats did.
+        assert inner.closed
+        # A caller that leaves between items (the ingress's client went away) closes it too.
+        kept = Silent(["a", "b"])
+        kept.go.set()
+        outer = heartbeats(kept.stream(), 0.01, lambda: True)
+        assert await anext(outer) == "a" and not kept.closed
+        await outer.aclose()
+        assert kept.closed
 
-    assert asyncio.run(run()).closed
+    asyncio.run(run())
 
 
 def test_the_watch_drops_heartbeats_and_raises_a_replica_failure_on_silence():
@@ -61,11 +72,12 @@ def test_the_watch_drops_heartbeats_and_raises_a_replica_failure_on_silence():
         with pytest.raises(ReplicaStalled) as stalled:
             async for _ in watched(silent.stream(), 0.05, replica):
                 pass
-        return passed, stalled.value, silent
+        assert silent.closed  # the stalled call is left (checked before asyncio.run closes it anyway)
+        return passed, stalled.value
 
-    passed, error, silent = asyncio.run(run())
+    passed, error = asyncio.run(run())
     assert passed == ["token", "last"]
-    assert replica_failed(error) and silent.closed  # the request migrates; the stalled call is left
+    assert replica_failed(error)  # the request migrates
 
     fake = [SimpleNamespace(replica_id=SimpleNamespace(to_full_id_str=lambda name=name: name))
             for name in (replica, "SERVE_REPLICA::test#DecodeServer#fine")]

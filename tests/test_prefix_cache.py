@@ -238,13 +238,31 @@ def test_cached_blocks_are_reused_then_evicted_oldest_first():
     assert len(hits) == 2
     fill(blocks, b, hits)
     assert b.block_table[:2] == hits
-    blocks.free(b)
-    # A sequence needing every block evicts the cached ones, oldest freed first.
-    c = seq_of(list(range(200, 224)), "c")
-    assert blocks.computed_prefix(c) == []
+    blocks.free(b)  # a's two blocks cached again, b's end free
+    x = seq_of(list(range(100, 109)), "x")
+    fill(blocks, x)
+    blocks.free(x)  # cached, oldest first: a's 2nd block, a's 1st (a request's end before its start), x's 2nd, x's 1st
+
+    def cached_blocks(tokens: list[int]) -> int:
+        return len(blocks.computed_prefix(seq_of(tokens + [5], "probe")))
+
+    assert blocks.counts().cached == 4 and blocks.counts().free == 2
+    # Three blocks: the two free ones, then one eviction, the oldest freed: a's second block.
+    y = seq_of(list(range(200, 211)), "y")
+    fill(blocks, y)
+    assert (cached_blocks(list(range(1, 9))), cached_blocks(list(range(100, 108)))) == (1, 2)
+    blocks.free(y)
+    # Three more: y's end is free, then a's first block and x's second go; x's first stays.
+    z = seq_of(list(range(300, 311)), "z")
+    fill(blocks, z)
+    assert (cached_blocks(list(range(1, 9))), cached_blocks(list(range(100, 108)))) == (0, 1)
+    assert cached_blocks(list(range(200, 208))) == 2  # y's, freed after x's: still there
+    blocks.free(z)
+    # A sequence needing every block evicts every cached one.
+    c = seq_of(list(range(400, 424)), "c")
     fill(blocks, c)
     assert blocks.counts().cached == 0 and blocks.counts().held == 6
-    assert blocks.computed_prefix(seq_of(list(range(1, 9)) + [5], "d")) == []
+    assert cached_blocks(list(range(200, 208))) == 0
     blocks.free(c)
     assert blocks.counts().held == 0
 

@@ -112,16 +112,19 @@ def test_several_tokens_in_one_step_are_separate_outputs_and_the_limits_hold(spe
 def test_mixed_batch_and_the_prefix_cache_after_accepted_drafts(model_dirs):
     """Drafted, looked-up and plain requests share steps; the blocks their accepted drafts filled are
     keyed by the tokens in them: a later prompt that extends the output hits them and continues as
-    an engine without a cache does."""
-    eng = engine(model_dirs["llama"], dtype="float32", num_blocks=256)
+    an engine without a cache does. Single-token matches: a random model repeats no pair of tokens."""
+    eng = engine(model_dirs["llama"], dtype="float32", num_blocks=256, prompt_lookup_min=1)
     prompts = [PROMPT, PROMPT[3:] + [44, 45], [8, 9, 10, 8, 9, 10, 8]]
     plain = eng.generate([GenerationRequest(f"p{i}", p, GREEDY) for i, p in enumerate(prompts)])
     mixed = [GenerationRequest("p0", prompts[0], GREEDY, draft=DraftTokens(plain["p0"].output_token_ids[:8])),
              GenerationRequest("p1", prompts[1], GREEDY, prompt_lookup=True),
              GenerationRequest("p2", prompts[2], GREEDY)]
     eng.blocks.reset_prefix_cache()
+    before = counts(eng)
     ours = eng.generate(mixed)
     assert {r: o.output_token_ids for r, o in ours.items()} == {r: o.output_token_ids for r, o in plain.items()}
+    # p0's 8 right drafts verify 7 tokens (the first meets the prompt's token); lookup drafted p1's on top.
+    assert counts(eng)[1] - before[1] > 7
     longer = PROMPT + plain["p0"].output_token_ids[:20]
     before = eng.blocks.prefix_hits
     cached = eng.generate([GenerationRequest("x", longer, GREEDY)])["x"].output_token_ids
