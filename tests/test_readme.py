@@ -111,4 +111,4 @@ def test_make_serve(tmp_path):
     with running(["make", "serve"], log) as process:
         assert wait_until(lambda: healthy() or process.poll() is not None, START_LIMIT_S, interval_s=2)
         assert process.poll() is None, log.read_text()[-4000:]
-        check_both_dialects("tiny-llama")
+        check_both_dialects("SmolLM2-135M-Instruct")  # configs/local.yaml's served_model_name
