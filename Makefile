@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -r requirements.lock
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -e .
 	$(PY) -m pip check
+	# The cpu_paged attention kernel, compiled for this machine's CPU (engine/execution/attention/).
+	$(PY) -m engine.execution.attention.cpu_paged
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct (Apache-2.0), the real model `make serve` answers with: the GGUF that the

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_paged")  # engine/execution/attention/
 
 
 @dataclass
@@ -25,6 +26,13 @@ class EngineConfig:
     sampler_backend: str = "auto"  # auto (Ascend's operator on an NPU, else torch), native, ascend
     torch_threads: int | None = None  # intra-op threads for this engine; None: torch's default
     enable_prefix_caching: bool = True  # reuse the KV of full blocks other requests computed
+    # engine/execution/attention/: auto, torch_sdpa (the reference) or cpu_paged (the C++ kernel)
+    attention_backend: str = "auto"
+    # Each row's tokens and logprobs independent of the other rows of its step and of how its
+    # prompt was chunked, in float32, bfloat16 and float16 on the CPU (docs/sampling.md); costs
+    # throughput (benchmarks/RESULTS.md). None: on where the engine can have it if the environment
+    # says PDSERVE_BATCH_INVARIANT=1 (as vLLM's VLLM_BATCH_INVARIANT; the test suite sets it), else off.
+    batch_invariant: bool | None = None
     # Speculative decoding (engine/decoding/speculative.py): a request's own draft tokens, at most this many
     # (TensorRT-LLM's max_draft_len), all verified in one step.
     max_draft_tokens: int = 8
@@ -40,6 +48,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.batch_invariant and self.attention_backend == "torch_sdpa":
+            raise ValueError("batch_invariant: needs the cpu_paged attention (a fixed order over keys); "
+                             "torch_sdpa's order depends on the chunking")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_iter_times", "num_speculative_tokens",
                      "prompt_lookup_min", "max_lora_rank"):
             if getattr(self, name) < 1:

@@ -88,9 +88,10 @@ class LLMEngine(BeamSteps, DraftSteps):
         self._arrivals = itertools.count()
         self._kv_wanted: list[str] = []  # requests admitted into RECEIVING since last asked (take_kv_wanted)
         self._beams: dict[str, BeamGroup] = {}  # requests searching with beams, by id
-        logger.info("engine ready: model %s, dtype %s (asked: %s), %d KV blocks of %d tokens, prefix caching %s",
-                    self.loaded.path, self.dtype, config.dtype, self.blocks.num_blocks, config.block_size,
-                    "on" if config.enable_prefix_caching else "off")
+        logger.info("engine ready: model %s, dtype %s (asked: %s), %d KV blocks of %d tokens, prefix caching %s, "
+                    "attention %s, batch invariance %s", self.loaded.path, self.dtype, config.dtype,
+                    self.blocks.num_blocks, config.block_size, "on" if config.enable_prefix_caching else "off",
+                    self.runner.attention.name, "on" if self.runner.batch_invariant else "off")
 
     # ---- requests in -------------------------------------------------------------------
 

@@ -7,6 +7,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every engine the suite starts, in this process or in Ray's workers (they inherit it), is
+# batch-invariant where it can be: the suite's exact comparisons then hold in whatever dtype this
+# CPU's "auto" picks (docs/sampling.md). Tests of the default fast mode pass batch_invariant=False.
+os.environ.setdefault("PDSERVE_BATCH_INVARIANT", "1")
 
 from tests.models import ARCHITECTURES, make_random_model  # noqa: E402
 

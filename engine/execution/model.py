@@ -14,7 +14,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from engine.execution.attention import AttentionBatch, paged_attention
+from engine.execution.attention import StepAttention
 
 
 @dataclass
@@ -49,12 +49,32 @@ SMALL_BATCH_ROWS = 128
 WIDE_OUTPUT_BLOCK = 4096
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, in] @ weight[out, in]^T (+ bias) -> [N, out], the faster way round for the shape."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           row_tile: int | None = None) -> torch.Tensor:
+    """x [N, in] @ weight[out, in]^T (+ bias) -> [N, out], the faster way round for the shape;
+    with ``row_tile``, batch-invariant instead (``tiled_linear``)."""
+    if row_tile is not None:
+        return tiled_linear(x, weight, bias, row_tile)
     if x.device.type != "cpu" or not TINY_BATCH_ROWS <= x.shape[0] <= SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
     blocks = weight.split(WIDE_OUTPUT_BLOCK) if weight.shape[0] > 2 * WIDE_OUTPUT_BLOCK else (weight,)
     out = torch.cat([torch.mm(w, x.t()) for w in blocks]).t()  # [N, out], transposed view
+    return out + bias if bias is not None else out
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int) -> torch.Tensor:
+    """x @ weight^T (+ bias) as calls of exactly ``row_tile`` rows each, the last padded with zeros.
+    A GEMM library picks its blocking, and so the order of its sums over ``in``, from the call's
+    shape; with one shape for every call a row's result no longer depends on how many rows share
+    its step (measured in tests/test_batch_invariance.py; benchmarks/RESULTS.md gives the cost)."""
+    n = x.shape[0]
+    padded = -(-n // row_tile) * row_tile
+    if padded != n:
+        x = torch.cat([x, x.new_zeros(padded - n, x.shape[1])])
+    out = x.new_empty(padded, weight.shape[0])  # [padded, out]
+    for start in range(0, padded, row_tile):
+        torch.mm(x[start:start + row_tile], weight.t(), out=out[start:start + row_tile])
+    out = out[:n]
     return out + bias if bias is not None else out
 
 
@@ -74,6 +94,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, window: int | None) -> None:
         super().__init__()
         self.spec, self.window = spec, window
+        self.row_tile: int | None = None  # set by DecoderModel.set_row_tile
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
@@ -85,13 +106,13 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.split = (q_size, kv_size, kv_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBatch,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: StepAttention,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, lora=None) -> torch.Tensor:
         """``lora``: the step's LoRA deltas for this layer (engine/execution/lora.py LayerLora), added to each map's output."""
         spec = self.spec
         n = x.shape[0]
         h = self.input_norm(x)
-        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias, self.row_tile)
         if lora is not None:
             lora.add(("q", "k", "v"), h, qkv, self.split)
         q, k, v = qkv.split(self.split, dim=-1)
@@ -101,18 +122,18 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        o = paged_attention(q, k, v, k_cache, v_cache, attn, self.window).reshape(n, -1)  # [N, Hq * D]
-        attended = linear(o, self.o_proj.weight, self.o_proj.bias)
+        o = attn.attend(q, k, v, k_cache, v_cache, self.window).reshape(n, -1)  # [N, Hq * D]
+        attended = linear(o, self.o_proj.weight, self.o_proj.bias, self.row_tile)
         if lora is not None:
             lora.add(("o",), o, attended, (spec.hidden_size,))
         x = x + attended
         h = self.post_norm(x)
-        gate_up = linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        gate_up = linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, self.row_tile)
         if lora is not None:
             lora.add(("gate", "up"), h, gate_up, (spec.intermediate_size,) * 2)
         gate, up = gate_up.chunk(2, dim=-1)
         m = F.silu(gate) * up
-        down = linear(m, self.down_proj.weight, self.down_proj.bias)
+        down = linear(m, self.down_proj.weight, self.down_proj.bias, self.row_tile)
         if lora is not None:
             lora.add(("down",), m, down, (spec.hidden_size,))
         return x + down
@@ -134,6 +155,13 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.row_tile: int | None = None
+
+    def set_row_tile(self, row_tile: int | None) -> None:
+        """Batch-invariant matmuls (``tiled_linear``) in every layer and the LM head, or None for the fastest."""
+        self.row_tile = row_tile
+        for layer in self.layers:
+            layer.row_tile = row_tile
 
     def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [max_position, D] in the model's dtype, computed in float32 like transformers."""
@@ -147,7 +175,7 @@ class DecoderModel(nn.Module):
                                 (emb.sin() * self.spec.rope_scaling).to(dtype))
         return self._rope_cache
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention,
                 kv_cache: torch.Tensor, embedding_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
                 lora=None) -> torch.Tensor:
         """input_ids, positions [N]; kv_cache [L, 2, S, Hkv, D]; ``embedding_rows`` (rows [M],
@@ -166,4 +194,4 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> logits [R, V], contiguous (the sampler reads rows)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).contiguous()
+        return linear(hidden, weight, row_tile=self.row_tile).contiguous()

@@ -9,11 +9,12 @@ imported KV and makes the block copies of copy-on-write.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import os
 
 import numpy as np
 import torch
 
-from engine.execution.attention import build_attention_batch
+from engine.execution.attention import AttentionSeq, batch_invariant_supported, select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_transfer import KVMeta, numpy_to_tensor, tensor_to_numpy
@@ -25,6 +26,9 @@ from engine.scheduler import ScheduledBatch
 from sampling import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 
 SCORE_ROWS = 256  # prompt rows scored per LM-head call: bounds the [rows, V] float32 logits
+# Rows per matmul call in batch-invariant mode (engine/execution/model.py tiled_linear): the
+# cheapest fixed tile measured for decode-sized and prefill-sized steps (benchmarks/RESULTS.md).
+BATCH_INVARIANT_ROWS = 32
 
 
 @dataclass
@@ -80,6 +84,13 @@ class ModelRunner:
                                     spec.head_dim, dtype=loaded.dtype, device=self.device)
         self.sampler = Sampler(self.device, spec.vocab_size, config.top_k_guess, config.sampler_backend)
         self.windows = set(spec.layer_windows)
+        self.batch_invariant = config.batch_invariant
+        if self.batch_invariant is None:  # the environment's default, where this engine can have it
+            self.batch_invariant = (os.environ.get("PDSERVE_BATCH_INVARIANT") == "1"
+                                    and config.attention_backend != "torch_sdpa"
+                                    and batch_invariant_supported(self.device, loaded.dtype))
+        self.attention = select_backend(config.attention_backend, self.device, loaded.dtype, self.batch_invariant)
+        loaded.model.set_row_tile(BATCH_INVARIANT_ROWS if self.batch_invariant else None)
         # Step inputs, allocated once: [max tokens per step] each, filled from one host array.
         self._inputs = torch.zeros(3, config.max_num_batched_tokens, dtype=torch.int64)  # ids, positions, slots
         self._inputs_np = self._inputs.numpy()
@@ -93,8 +104,9 @@ class ModelRunner:
         it is read."""
         num_tokens = min(num_tokens, self.kv_cache.shape[2], self.loaded.spec.max_position)
         positions = torch.arange(num_tokens, device=self.device)
-        attn = build_attention_batch(positions, [], [(0, num_tokens, 0, list(range(num_tokens)))], self.windows,
-                                     self.blocks.block_size, self.device)
+        blocks = list(range(-(-num_tokens // self.blocks.block_size)))
+        attn = self.attention.prepare(positions, [AttentionSeq(0, num_tokens, 0, blocks)], self.windows,
+                                      self.blocks.block_size, self.device)
         hidden = self.loaded.model(torch.zeros_like(positions), positions, attn, self.kv_cache)
         self.loaded.model.compute_logits(hidden[-1:])
 
@@ -113,7 +125,7 @@ class ModelRunner:
         for seq, first in batch.kv_imports:
             self.import_kv(seq, first)
         self.copy_blocks(batch.block_copies)
-        decodes, prefills, sample_rows = [], [], []
+        attention_seqs, sample_rows = [], []
         to_score = []  # (seq, first hidden row, first scored position, count)
         to_keep = []  # (seq, first hidden row, first position, count): context logits
         inputs, flat = self._inputs_np, 0  # [3, N]: ids, positions, slots
@@ -131,12 +143,8 @@ class ModelRunner:
                 chunk = [t if t < vocab else 0 for t in chunk]  # any id: the table's row replaces its embedding
             inputs[0, flat:flat + n] = chunk
             inputs[1, flat:flat + n] = np.arange(start, start + n)
-            slots = self.blocks.slots(seq, 0 if n > 1 else start, start + n)
-            inputs[2, flat:flat + n] = slots[-n:]
-            if n == 1:
-                decodes.append((flat, start + 1, seq.block_table))
-            else:
-                prefills.append((flat, n, start, slots))
+            inputs[2, flat:flat + n] = self.blocks.slots(seq, start, start + n)
+            attention_seqs.append(AttentionSeq(flat, n, start, seq.block_table))
             sample_rows += list(range(flat + n - 1 - drafted, flat + n)) if drafted else [flat + n - 1] * repeat
             # Row p's logits score the token at p + 1; the prompt's last row samples instead.
             scored = min(start + n, seq.num_prompt_tokens - 1) - start
@@ -147,8 +155,7 @@ class ModelRunner:
                 to_keep.append((seq, flat, start, in_prompt))
             flat += n
         ids, positions, slot_mapping = self._inputs[:, :flat].to(self.device)
-        attn = build_attention_batch(slot_mapping, decodes, prefills, self.windows, self.blocks.block_size,
-                                     self.device)
+        attn = self.attention.prepare(slot_mapping, attention_seqs, self.windows, self.blocks.block_size, self.device)
         model = self.loaded.model
         replaced = None
         if table_rows:

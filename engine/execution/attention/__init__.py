@@ -1,3 +1,87 @@
-from engine.execution.attention.torch_sdpa import AttentionBatch, PrefillChunk, build_attention_batch, paged_attention
+"""Attention over the paged KV cache, by backend name.
 
-__all__ = ["AttentionBatch", "PrefillChunk", "build_attention_batch", "paged_attention"]
+The KV cache of one layer is a flat pool of slots, [num_blocks * block_size, kv_heads, head_dim];
+token i of a sequence lives in slot block_table[i // B] * B + i % B. One engine step's tokens
+are a flat batch of N tokens: each sequence of the step brings a run of consecutive positions
+(one for a decode, several for a prefill chunk or a verification of drafts), described by an
+``AttentionSeq``. Each backend turns the step's sequences into its own metadata once per step
+(``prepare``), and that object's ``attend`` runs one layer: it writes the new tokens' K/V into
+their slots, then attends.
+
+Backends (one file each):
+- ``torch_sdpa``: the readable reference. Gathers each decoding sequence's blocks into a padded
+  copy and calls torch's scaled_dot_product_attention; any device, any dtype.
+- ``cpu_paged``: a C++ kernel that reads the pool in place, one call per layer per step for every
+  row, with a fixed reduction order over keys (batch- and chunking-invariant). CPU; float32,
+  bfloat16, float16.
+``auto`` picks ``cpu_paged`` on the CPU for the dtypes it takes when its extension is built,
+else ``torch_sdpa``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.config import ATTENTION_BACKENDS
+
+
+@dataclass(frozen=True)
+class AttentionSeq:
+    """One sequence's rows in a step: positions [start_pos, start_pos + num_tokens) at flat
+    rows [flat_start, flat_start + num_tokens); ``block_table`` covers every one of them."""
+
+    flat_start: int
+    num_tokens: int
+    start_pos: int
+    block_table: list[int]
+
+
+class StepAttention(Protocol):
+    """A backend's metadata for one step, shared by every layer."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, window: int | None) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] of the step's new tokens; k_cache/v_cache [S, Hkv, D],
+        written in place at the new tokens' slots. Returns [N, Hq, D]."""
+        ...
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, slot_mapping: torch.Tensor, seqs: list[AttentionSeq], windows: set[int | None],
+                block_size: int, device: torch.device) -> StepAttention:
+        """slot_mapping [N] on the device: the slot of each new token; ``windows``: the model's
+        sliding windows (None = full attention)."""
+        ...
+
+
+def batch_invariant_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an engine on ``device`` in ``dtype`` can be batch-invariant: it needs cpu_paged."""
+    from engine.execution.attention import cpu_paged
+
+    return device.type == "cpu" and dtype in cpu_paged.DTYPES
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype,
+                   batch_invariant: bool = False) -> AttentionBackend:
+    """The backend called ``name``; for "auto", the fastest one that runs on ``device`` in ``dtype``
+    (with ``batch_invariant``, the one whose order over keys is fixed: cpu_paged)."""
+    from engine.execution.attention import cpu_paged, torch_sdpa
+
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    if name == "torch_sdpa":
+        return torch_sdpa.BACKEND
+    supported = batch_invariant_supported(device, dtype)
+    if name == "cpu_paged" or batch_invariant:
+        if not supported:
+            raise ValueError(f"attention_backend: cpu_paged (which batch_invariant needs) runs on the CPU in "
+                             f"{', '.join(str(d) for d in cpu_paged.DTYPES)}, not on {device} in {dtype}")
+        return cpu_paged.backend()
+    if supported and cpu_paged.available():
+        return cpu_paged.backend()
+    return torch_sdpa.BACKEND

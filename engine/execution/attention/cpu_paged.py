@@ -1,0 +1,105 @@
+"""The CPU backend: a C++ kernel that reads the KV pool in place (csrc/paged_attention.cpp).
+
+One call per layer per step covers every row of the step, decodes and prefill chunks alike: each
+row reads its sequence's blocks through the block table, with no gathered copy, no padding and
+no repeated K/V for GQA, and a softmax in float32. Its reduction over keys runs in one fixed
+order (block by block, aligned to absolute positions), so a row's output does not depend on the
+other rows of the step or on how its prompt was chunked: the ground the batch-invariant mode
+stands on (docs/sampling.md).
+
+The extension is compiled for this machine's CPU (-march=native) by ``make install``
+(``python -m engine.execution.attention.cpu_paged``) into torch's extension cache
+(``$TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions); later loads only import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from engine.execution.attention import AttentionSeq
+
+log = logging.getLogger(__name__)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+MAX_BLOCK_SIZE = 64  # the kernel's kMaxBlock
+
+
+@cache
+def extension():
+    """The compiled kernel, built on first use (a minute on 2 cores) and cached by torch."""
+    from torch.utils import cpp_extension
+
+    # ninja comes with the project's install, beside this interpreter, not necessarily on PATH.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    return cpp_extension.load(name="pdserve_paged_attention", sources=[str(SOURCE)],
+                              extra_cflags=["-O3", "-march=native", "-ffp-contract=off"])
+
+
+@cache
+def available() -> bool:
+    """Whether the kernel builds and loads here; if not, ``auto`` falls back to the reference."""
+    try:
+        extension()
+    except Exception as error:  # a missing compiler, an unsupported platform
+        log.warning("attention: the cpu_paged kernel is unavailable (%s); using torch_sdpa", error)
+        return False
+    return True
+
+
+@dataclass
+class PagedStep:
+    slot_mapping: torch.Tensor  # [N] slot each new token's K/V is written to
+    tables: torch.Tensor  # [T, MB] int32, one row per sequence of the step, 0-padded
+    seq_rows: torch.Tensor  # [T] int64: each sequence's first row in the flat batch
+    seq_positions: torch.Tensor  # [T] int64: the position of that row
+    seq_lengths: torch.Tensor  # [T] int64: its rows in the step
+    seq_table_rows: torch.Tensor  # [T] int64: its row of ``tables`` (arange: one table per sequence)
+    block_size: int
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, window: int | None) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D]; k_cache/v_cache [S, Hkv, D]. Returns [N, Hq, D]."""
+        k_cache.index_copy_(0, self.slot_mapping, k)
+        v_cache.index_copy_(0, self.slot_mapping, v)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        extension().paged_attention(out, q, k_cache, v_cache, self.tables, self.seq_table_rows, self.seq_rows,
+                                    self.seq_positions, self.seq_lengths, self.block_size, window or 0,
+                                    q.shape[-1] ** -0.5)
+        return out
+
+
+class PagedBackend:
+    name = "cpu_paged"
+
+    def prepare(self, slot_mapping: torch.Tensor, seqs: list[AttentionSeq], windows: set[int | None],
+                block_size: int, device: torch.device) -> PagedStep:
+        if block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size: the cpu_paged attention takes at most {MAX_BLOCK_SIZE}")
+        max_blocks = max((len(s.block_table) for s in seqs), default=1)
+        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        columns = torch.tensor([(s.flat_start, s.start_pos, s.num_tokens) for s in seqs], dtype=torch.int64)
+        columns = columns.reshape(len(seqs), 3)
+        return PagedStep(slot_mapping, tables, columns[:, 0].contiguous(), columns[:, 1].contiguous(),
+                         columns[:, 2].contiguous(), torch.arange(len(seqs), dtype=torch.int64), block_size)
+
+
+def backend() -> PagedBackend:
+    """The backend, its kernel loaded (built first if this machine has not built it yet)."""
+    extension()
+    return PagedBackend()
+
+
+if __name__ == "__main__":  # make install: build the kernel once for this machine
+    extension()
+    print(f"cpu_paged attention kernel built for this CPU from {SOURCE.name}")

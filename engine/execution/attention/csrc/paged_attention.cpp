@@ -1,0 +1,188 @@
+// Paged attention on the CPU that reads the KV pool in place (engine/execution/attention/cpu_paged.py).
+//
+// One kernel for every query row of a step: decode tokens and prefill chunks are both "groups" of
+// consecutive query positions of one sequence (a decode is a group of one). Each query row attends
+// to the keys of its own sequence, read block by block from the pool through the block table: no
+// gathered copy, no padding, GQA without repeating K/V.
+//
+// Determinism. A row's arithmetic depends only on its own query, its position and the KV of its
+// sequence, never on the other rows of the step or on how its prompt was chunked:
+//   - keys are reduced in one fixed order: block by block, aligned to absolute positions (block b
+//     holds positions [b*B, b*B+B)), with an online softmax per block;
+//   - within a block, a score is a chain of fused multiply-adds over the head dim in order
+//     d = 0..D-1, and the softmax sum and the V accumulation run over the block's keys in order;
+//   - a block, or a key, that a row may not see is skipped for that row, leaving its state as is;
+//   - there is no reduction across lanes (no horizontal sums), so vectorizing a loop or not, or
+//     tiling rows differently, cannot change a row's bits.
+// Built with -ffp-contract=off so that only the explicit std::fma calls fuse.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxBlock = 64;   // largest block_size the kernel takes
+constexpr int kQueryTile = 16;  // query positions per task: they share each K/V block they read
+
+// exp(x) for x <= 0 (softmax arguments), to ~1 ulp: 2^n * 2^f with f in [-0.5, 0.5] and a degree-7
+// polynomial. Plain code the compiler vectorizes; the same code runs for every row.
+inline float exp_nonpositive(float x) {
+  x = std::fmax(x, -87.0f);
+  const float t = x * 1.4426950408889634f;
+  const float n = std::nearbyint(t);
+  const float f = std::fma(n, -0.693145751953125f, x) - n * 1.428606765330187e-06f;  // x - n*ln2, two parts
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, f, 1.3981999507e-3f);
+  p = std::fma(p, f, 8.3334519073e-3f);
+  p = std::fma(p, f, 4.1665795894e-2f);
+  p = std::fma(p, f, 1.6666665459e-1f);
+  p = std::fma(p, f, 5.0000001201e-1f);
+  p = std::fma(p, f * f, f + 1.0f);
+  union { int32_t i; float v; } scale;
+  scale.i = (static_cast<int32_t>(n) + 127) << 23;
+  return p * scale.v;
+}
+
+template <typename scalar_t>
+inline float to_float(scalar_t v) { return static_cast<float>(v); }
+
+struct Task {
+  int64_t group;
+  int64_t first;  // first query of the group in this task
+  int64_t count;  // queries in this task
+  int64_t head;   // kv head
+};
+
+template <typename scalar_t>
+void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
+                 const scalar_t* __restrict__ v_cache, scalar_t* __restrict__ out, const int32_t* __restrict__ tables,
+                 int64_t table_stride, const int64_t* __restrict__ group_table, const int64_t* __restrict__ group_row,
+                 const int64_t* __restrict__ group_pos, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t block_size, int64_t window, float scale) {
+  const int64_t group_size = num_heads / num_kv_heads;
+  const int64_t rows = task.count * group_size;  // query rows: (query position, head of the group)
+  const int64_t slot_stride = num_kv_heads * head_dim;
+  const int32_t* table = tables + group_table[task.group] * table_stride;
+  const int64_t first_pos = group_pos[task.group] + task.first;
+  const int64_t last_pos = first_pos + task.count - 1;
+
+  std::vector<float> query(rows * head_dim), acc(rows * head_dim, 0.0f);  // [rows, D]
+  std::vector<float> running_max(rows, -std::numeric_limits<float>::infinity()), running_sum(rows, 0.0f);
+  std::vector<float> keys_t(head_dim * block_size), values(block_size * head_dim);  // [D, B], [B, D]
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = group_row[task.group] + task.first + r / group_size;
+    const int64_t head = task.head * group_size + r % group_size;
+    const scalar_t* src = q + (token * num_heads + head) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) query[r * head_dim + d] = to_float(src[d]);
+  }
+
+  const int64_t lowest_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  float scores[kMaxBlock], probs[kMaxBlock];
+  for (int64_t block = lowest_key / block_size; block <= last_pos / block_size; ++block) {
+    const int64_t block_start = block * block_size;
+    const int64_t base = static_cast<int64_t>(table[block]) * block_size * slot_stride + task.head * head_dim;
+    for (int64_t j = 0; j < block_size; ++j) {
+      const scalar_t* k_row = k_cache + base + j * slot_stride;
+      const scalar_t* v_row = v_cache + base + j * slot_stride;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        keys_t[d * block_size + j] = to_float(k_row[d]);
+        values[j * head_dim + d] = to_float(v_row[d]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = first_pos + r / group_size;
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      const int64_t lo = std::max<int64_t>(first_key - block_start, 0);
+      const int64_t hi = std::min<int64_t>(pos - block_start + 1, block_size);  // visible keys: [lo, hi)
+      if (lo >= hi) continue;  // the row sees nothing in this block
+      const float* qr = &query[r * head_dim];
+      for (int64_t j = 0; j < block_size; ++j) scores[j] = 0.0f;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const float qd = qr[d];
+        const float* kd = &keys_t[d * block_size];
+        for (int64_t j = 0; j < block_size; ++j) scores[j] = std::fma(qd, kd[j], scores[j]);
+      }
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = lo; j < hi; ++j) {
+        scores[j] *= scale;
+        block_max = std::fmax(block_max, scores[j]);
+      }
+      const float new_max = std::fmax(running_max[r], block_max);
+      const float rescale = exp_nonpositive(running_max[r] - new_max);  // 0 on the row's first block
+      running_max[r] = new_max;
+      for (int64_t j = lo; j < hi; ++j) probs[j] = exp_nonpositive(scores[j] - new_max);
+      float block_sum = 0.0f;
+      for (int64_t j = lo; j < hi; ++j) block_sum += probs[j];
+      running_sum[r] = std::fma(running_sum[r], rescale, block_sum);
+      float* ar = &acc[r * head_dim];
+      for (int64_t d = 0; d < head_dim; ++d) ar[d] *= rescale;
+      for (int64_t j = lo; j < hi; ++j) {
+        const float p = probs[j];
+        const float* vj = &values[j * head_dim];
+        for (int64_t d = 0; d < head_dim; ++d) ar[d] = std::fma(p, vj[d], ar[d]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = group_row[task.group] + task.first + r / group_size;
+    const int64_t head = task.head * group_size + r % group_size;
+    scalar_t* dst = out + (token * num_heads + head) * head_dim;
+    const float inv = 1.0f / running_sum[r];
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv);
+  }
+}
+
+// out, q: [N, Hq, D]; k_cache, v_cache: [S, Hkv, D] with S = blocks * block_size; tables: [T, MB] int32;
+// group_table / group_row / group_pos / group_len: [G] int64 — for each group of consecutive queries of one
+// sequence, its row of ``tables``, its first row of q, the position of that row, and its number of rows.
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor tables, torch::Tensor group_table, torch::Tensor group_row,
+                     torch::Tensor group_pos, torch::Tensor group_len, int64_t block_size, int64_t window,
+                     double scale) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: q, out and the caches must be contiguous");
+  TORCH_CHECK(tables.scalar_type() == torch::kInt32 && tables.is_contiguous(), "paged_attention: int32 tables");
+  TORCH_CHECK(block_size >= 1 && block_size <= kMaxBlock, "paged_attention: block_size must be in [1, 64]");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = k_cache.size(1);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention: query heads must be a multiple of kv heads");
+  const int64_t num_groups = group_len.size(0);
+  const int64_t* lengths = group_len.data_ptr<int64_t>();
+  std::vector<Task> tasks;
+  for (int64_t h = 0; h < num_kv_heads; ++h)
+    for (int64_t g = 0; g < num_groups; ++g)
+      for (int64_t first = 0; first < lengths[g]; first += kQueryTile)
+        tasks.push_back({g, first, std::min<int64_t>(kQueryTile, lengths[g] - first), h});
+  // Longest contexts first, then handed out one at a time: tasks differ in cost by their context length.
+  const int64_t* positions = group_pos.data_ptr<int64_t>();
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
+    return positions[a.group] + a.first + a.count > positions[b.group] + b.first + b.count;
+  });
+  std::atomic<int64_t> next{0};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(),
+                                  "paged_attention", [&] {
+    const auto* q_ptr = q.data_ptr<scalar_t>();
+    const auto* k_ptr = k_cache.data_ptr<scalar_t>();
+    const auto* v_ptr = v_cache.data_ptr<scalar_t>();
+    auto* out_ptr = out.data_ptr<scalar_t>();
+    const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t t = next++; t < num_tasks; t = next++)
+        attend_task<scalar_t>(tasks[t], q_ptr, k_ptr, v_ptr, out_ptr, tables.data_ptr<int32_t>(), tables.size(1),
+                              group_table.data_ptr<int64_t>(), group_row.data_ptr<int64_t>(), positions, num_heads,
+                              num_kv_heads, head_dim, block_size, window, static_cast<float>(scale));
+    });
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Paged attention over the KV pool, in place (see the file's header)");
+}

@@ -1,0 +1,98 @@
+"""The cpu_paged attention kernel against the torch_sdpa reference, and the engine on it against transformers."""
+
+import pytest
+import torch
+
+from engine.execution.attention import AttentionSeq, cpu_paged, select_backend, torch_sdpa
+from tests.test_engine_parity import engine, hf_greedy_with_top, prompts, requests
+
+CPU = torch.device("cpu")
+
+
+def step(specs: list[tuple[int, int]], block_size: int, num_blocks: int = 256, seed: int = 0) -> tuple:
+    """A step of sequences (start position, new tokens), their blocks scattered over the pool."""
+    generator = torch.Generator().manual_seed(seed)
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    seqs, slots, flat = [], [], 0
+    for start, n in specs:
+        table = [free.pop() for _ in range(-(-(start + n) // block_size))]
+        seqs.append(AttentionSeq(flat, n, start, table))
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        flat += n
+    return seqs, torch.tensor(slots)
+
+
+def attend(backend, seqs, slots, q, k, v, caches, window, block_size):
+    k_cache, v_cache = (c.clone() for c in caches)
+    out = backend.prepare(slots, seqs, {window}, block_size, CPU).attend(q, k, v, k_cache, v_cache, window)
+    return out, k_cache, v_cache
+
+
+# (start, new tokens) per sequence: decodes, whole prompts, later chunks, drafts, block edges.
+STEPS = {
+    "decodes": [(0, 1), (15, 1), (16, 1), (47, 1), (200, 1)],
+    "prefills": [(0, 33), (0, 16), (17, 40)],
+    "mixed": [(37, 1), (20, 30), (0, 50), (15, 1), (100, 7), (63, 1), (64, 2)],
+}
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (9, 3), (6, 1)])
+@pytest.mark.parametrize("window", [None, 8, 33])
+@pytest.mark.parametrize("kind", list(STEPS))
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_cpu_paged_equals_the_reference(dtype, tolerance, heads, window, kind, block_size):
+    num_heads, num_kv_heads = heads
+    seqs, slots = step(STEPS[kind], block_size)
+    generator = torch.Generator().manual_seed(1)
+    n, d = len(slots), 64
+    q, k, v = (torch.randn(n, h, d, generator=generator).to(dtype) for h in (num_heads, num_kv_heads, num_kv_heads))
+    caches = [torch.randn(256 * block_size, num_kv_heads, d, generator=generator).to(dtype) for _ in range(2)]
+    expected, k_ref, v_ref = attend(torch_sdpa.BACKEND, seqs, slots, q, k, v, caches, window, block_size)
+    got, k_new, v_new = attend(cpu_paged.backend(), seqs, slots, q, k, v, caches, window, block_size)
+    assert torch.equal(k_new, k_ref) and torch.equal(v_new, v_ref)  # new tokens written to their slots
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_whatever_the_step_around_it(dtype):
+    """The kernel's promise to the batch-invariant mode: a query row's bits do not depend on the
+    other rows of its step, nor on whether its position comes in a prefill chunk or as a decode."""
+    block_size, d = 16, 64
+    generator = torch.Generator().manual_seed(2)
+    seqs, slots = step([(0, 90)], block_size)
+    table = seqs[0].block_table
+    q, k, v = (torch.randn(90, h, d, generator=generator).to(dtype) for h in (9, 3, 3))
+    caches = [torch.zeros(256 * block_size, 3, d, dtype=dtype) for _ in range(2)]
+    whole, k_cache, v_cache = attend(cpu_paged.backend(), seqs, slots, q, k, v, caches, None, block_size)
+    backend = cpu_paged.backend()
+    for start, n in [(0, 7), (7, 57), (64, 1), (65, 25)]:  # chunks of 7, 57, a decode, 25: the same bits
+        chunk = [AttentionSeq(0, n, start, table), AttentionSeq(n, 3, 5, table)]  # beside another sequence
+        rows = slice(start, start + n)
+        q_step = torch.cat([q[rows], q[5:8]])
+        out = backend.prepare(torch.cat([slots[rows], slots[5:8]]), chunk, {None}, block_size, CPU).attend(
+            q_step, torch.cat([k[rows], k[5:8]]), torch.cat([v[rows], v[5:8]]), k_cache, v_cache, None)
+        assert torch.equal(out[:n], whole[rows])
+
+
+def test_backend_choice():
+    assert select_backend("auto", CPU, torch.float32).name == "cpu_paged"
+    assert select_backend("auto", CPU, torch.float64).name == "torch_sdpa"  # the kernel takes no float64
+    assert select_backend("torch_sdpa", CPU, torch.float32).name == "torch_sdpa"
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_backend("cpu_paged", CPU, torch.float64)
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_backend("flash", CPU, torch.float32)
+
+
+def test_float32_greedy_on_the_kernel_equals_transformers(model_dirs):
+    """Every architecture's shape (GQA, Qwen3's head_dim, Mistral's window) through the kernel, in
+    chunks of 32 tokens over blocks of 4, with preemption: tokens equal to transformers' in float32."""
+    prompt_ids = prompts()
+    for arch, model_dir in model_dirs.items():
+        reference = [tokens for tokens, _ in hf_greedy_with_top(model_dir, prompt_ids, torch.float32)]
+        llm = engine(model_dir, dtype="float32", attention_backend="cpu_paged", num_blocks=40)
+        assert llm.runner.attention.name == "cpu_paged"
+        results = llm.generate(requests(prompt_ids))
+        assert [results[f"r{i}"].output_token_ids for i in range(len(prompt_ids))] == reference, arch
+        assert llm.scheduler.num_preemptions > 0 or arch != "llama"
