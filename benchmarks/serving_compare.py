@@ -84,7 +84,8 @@ class EchoEngine:
 
     def info(self) -> ModelInfo:
         return ModelInfo("echo", "echo", vocab_size=1 << 20, max_model_len=1 << 20, max_iter_times=1 << 20, node_id="",
-                         dtype="float32", enable_prefix_caching=False, pad_token_id=0, hidden_size=0)
+                         dtype="float32", enable_prefix_caching=False, pad_token_id=0, hidden_size=0,
+                         attention_backend="none", batch_invariant=False)
 
     async def generate(self, request: GenerationRequest):
         yield Accepted(replica_id())  # as the engine servers do (deployments/liveness.py)

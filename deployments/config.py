@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.disaggregation import DisaggregationPolicy
-from engine.config import DTYPES, EngineConfig
+from engine.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from engine.execution.loader import TINY_LLAMA
 
 
@@ -38,6 +38,12 @@ class AppArgs(BaseModel):
     torch_threads: int | None = Field(None, gt=0, description="intra-op threads per engine replica")
     enable_prefix_caching: bool = Field(True, description="reuse the KV of prompt blocks computed before")
     max_ongoing_requests: int = Field(256, gt=0, description="concurrent requests per P/D replica")
+    attention_backend: str = Field("auto", description="auto, torch_sdpa (the reference) or cpu_paged (the C++ "
+                                   "kernel that reads the KV pool in place); engine/execution/attention/")
+    batch_invariant: bool | None = Field(
+        None, description="each request's tokens and logprobs independent of the other requests of its steps and "
+        "of its prompt's chunking (docs/sampling.md); costs throughput. Default: PDSERVE_BATCH_INVARIANT=1 "
+        "in the replicas' environment turns it on where it can be")
     finish_reasons: Literal["openai", "mindie"] = Field(
         "openai", description="finish_reason values on /v1: OpenAI's (stop, length) or MindIE's")
     max_migrations: int = Field(3, ge=0, description="times a request moves to another replica when the one "
@@ -93,6 +99,10 @@ class AppArgs(BaseModel):
             self.enable_lora = True
         return self
 
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.batch_invariant and self.attention_backend == "torch_sdpa":
+            raise ValueError("batch_invariant: needs the cpu_paged attention, not torch_sdpa")
     @property
     def lora_directories(self) -> dict[str, str]:
         """``lora_modules`` as {name: directory}."""
@@ -128,6 +138,7 @@ class AppArgs(BaseModel):
 
 
 def _absolute_if_local(model: str | None) -> str | None:
+            attention_backend=self.attention_backend, batch_invariant=self.batch_invariant,
     """A model path relative to where the app is built (``serve run``'s directory) made absolute,
     since the replicas run in other directories; names (tiny-llama, hub ids) pass unchanged."""
     if model in (None, TINY_LLAMA) or Path(model).is_absolute() or not Path(model).exists():

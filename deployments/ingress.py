@@ -451,7 +451,8 @@ class Ingress:
         info = await self.model_info()
         cards = [{"id": self.served_model_name(info), "object": "model", "created": 0, "owned_by": "pdserve",
                   "max_model_len": info.max_model_len, "dtype": info.dtype,
-                  "enable_prefix_caching": info.enable_prefix_caching}]
+                  "enable_prefix_caching": info.enable_prefix_caching,
+                  "attention_backend": info.attention_backend, "batch_invariant": info.batch_invariant}]
         directories = self.args.lora_directories
         cards += [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "parent": cards[0]["id"],
                    "root": directories[name]} for name in await self.lora_names()]

@@ -41,7 +41,8 @@ class _EngineServer:
         inner = self.engine.engine
         return ModelInfo(str(inner.loaded.path), inner.loaded.model_id, inner.vocab_size, inner.max_model_len,
                          inner.config.max_iter_times, ray.get_runtime_context().get_node_id(), inner.dtype,
-                         inner.config.enable_prefix_caching, inner.pad_token_id, inner.loaded.spec.hidden_size)
+                         inner.config.enable_prefix_caching, inner.pad_token_id, inner.loaded.spec.hidden_size,
+                         inner.runner.attention.name, inner.runner.batch_invariant)
 
     def stats(self):
         return self.engine.stats()

@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default="auto", help="auto (bfloat16 where the CPU or GPU has it), float32, ...")
     gen.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
     gen.add_argument("--device", default="cpu")
+    gen.add_argument("--attention-backend", default="auto", help="auto, torch_sdpa or cpu_paged")
+    gen.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                     help="output independent of batching and chunking (docs/sampling.md); "
+                          "default: PDSERVE_BATCH_INVARIANT=1 turns it on")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -62,7 +66,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                        enable_prefix_caching=not args.no_prefix_caching))
+                                        enable_prefix_caching=not args.no_prefix_caching,
+                                        attention_backend=args.attention_backend,
+                                        batch_invariant=args.batch_invariant))
         prompt_ids = engine.tokenizer.encode(args.prompt)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
         engine.add_request(GenerationRequest("cli", prompt_ids, params))

@@ -21,3 +21,5 @@ class ModelInfo:
     enable_prefix_caching: bool
     pad_token_id: int  # the tokenizer's pad id, else the first end id: beam search's default pad_id
     hidden_size: int  # a p-tuning table's row length
+    attention_backend: str  # engine/execution/attention/: the backend the engine runs
+    batch_invariant: bool  # each request's output independent of its batch and chunking (docs/sampling.md)
