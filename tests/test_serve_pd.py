@@ -1,6 +1,8 @@
 """The PD and colocated apps on a real Ray Serve, over HTTP."""
 
 import base64
+import json
+import time
 
 import httpx
 import numpy as np
@@ -12,9 +14,11 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest, PromptTable
 from sampling import SamplingParams
-from tests.serving import element_size, serve_session, sse_events, wait_until
+from tests.serving import (assert_nothing_held, element_size, serve_session, sse_events, stopped, wait_until,
+                           work_done)
 
 PROMPTS = [[5, 6, 7, 8], list(range(10, 60)), [300, 301], list(range(100, 131))]
+LOOPING_PROMPT = [1, 5, 9, 30, 31, 32, 33, 5, 9, 30, 31, 7, 5, 9]  # tests/test_speculative.py's
 CAP = 5  # max_iter_times of the "cap" apps
 MAX_LOGITS_FLOATS = 5000  # the cap apps': 5 rows of tiny-llama's 891 logits fit, 6 do not
 
@@ -90,9 +94,19 @@ def test_generated_tokens_follow_the_pd_rule(base_url):
 
 
 def test_first_token_finishing_at_p_never_reaches_d(base_url):
+    """P computes the prompt and ends the request; no D replica decodes, computes or imports
+    anything for it. D is asked for its plan (prefix-aware PD asks before P works, whatever
+    max_new_tokens is: docs/serving.md), which holds a prefix until the hold expires."""
+    decode = serve.get_deployment_handle("DecodeServer", app_name="pd")
+    d_before, p_before = work_done("DecodeServer", "pd"), work_done("PrefillServer", "pd")
+    transfers = decode.kv_transfers.remote().result()["count"]
     events = infer(base_url, "pd", PROMPTS[0], stream=True, max_new_tokens=1, ignore_eos=True)
     assert len(events) == 1 and events[0]["prefill_time"] is not None
     assert events[0]["details"]["generated_tokens"] == 1 and events[0]["details"]["finish_reason"] == "length"
+    assert work_done("PrefillServer", "pd")["finished"] == p_before["finished"] + 1  # P ended it
+    d_after = work_done("DecodeServer", "pd")
+    assert {**d_after, "prefix_holds": 0} == {**d_before, "prefix_holds": 0}
+    assert decode.kv_transfers.remote().result()["count"] == transfers
 
 
 def engine_stats(app, deployment):
@@ -111,18 +125,29 @@ def test_client_disconnect_frees_blocks(base_url, app, engines):
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
             assert wait_until(lambda: engine_stats(app, streaming).running == 1, 30)
-    assert wait_until(lambda: engine_stats(app, streaming).blocks_used == 0
-                      and engine_stats(app, streaming).running == 0, 30)
-    assert all(engine_stats(app, engine).blocks_used == 0 for engine in engines)
+    assert_nothing_held(list(engines), app)
     assert engine_stats(app, streaming).finished_by_reason.get("abort", 0) == aborted + 1  # stopped, not run out
 
 
 def test_expired_deadline_ends_the_request_and_frees_blocks(base_url):
-    result = infer(base_url, "pd", PROMPTS[1], max_new_tokens=1_000_000, ignore_eos=True, timeout=1)
-    details = result["details"]
-    assert details["finish_reason"] == "stop_sequence" and details["err_msg"] == "request timed out"
-    assert 1 < details["generated_tokens"] < 1024
-    assert engine_stats("pd", "DecodeServer").blocks_used == 0
+    """D is held still (SIGSTOP) from the stream's first token until past the request's deadline:
+    the next step D makes ends the request with the timeout, whatever the machine's speed (no
+    bound on the token count that a clock decides). Stopped for less than stall_timeout_s: the
+    stream does not migrate."""
+    body = {"input_id": PROMPTS[1], "stream": True,
+            "parameters": {"details": True, "max_new_tokens": 1_000_000, "ignore_eos": True, "timeout": 1}}
+    with httpx.stream("POST", f"{base_url}/pd/infer_token", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        lines = (line for line in response.iter_lines() if line.startswith("data: "))
+        first = next(lines)  # the request arrived before this: its deadline is at most 1 s away
+        with stopped("DecodeServer"):
+            time.sleep(2)  # not a bound on a result: it puts the deadline in the past while D cannot step
+        events = [json.loads(line[len("data: "):]) for line in (first, *lines)]
+    details = events[-1]["details"]
+    assert details["finish_reason"] == "stop_sequence" and details["err_msg"] == "request timed out", details
+    tokens = [e["token"] for e in events if e["token"] is not None]  # the last event says why it ended
+    assert details["generated_tokens"] == len(tokens) < 1025  # 1025: the cap (max_iter_times, and P's token)
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pd")
 
 
 def test_kv_transfers_are_measured(base_url):
@@ -211,14 +236,19 @@ def test_logits_beyond_the_limit_are_refused_before_any_work(base_url, app):
         body = {"input_id": input_id, "parameters": {"max_new_tokens": 100, **parameters}}
         return httpx.post(f"{base_url}/{app}/infer_token", json=body, timeout=120)
 
+    engines = ("PrefillServer", "DecodeServer") if app == "pdcap" else ("LLMServer",)
+    before = {engine: work_done(engine, app) for engine in engines}
     generation = ask(PROMPTS[0], return_generation_logits=True)
     if app == "pdcap":
         assert generation.status_code == 400
         assert generation.json()["error"]["param"] == "parameters.return_generation_logits"
+        assert {engine: work_done(engine, app) for engine in engines} == before  # no engine saw the request
     else:
         assert generation.status_code == 200 and generation.json()["details"]["generation_logits"]["shape"][1] == CAP
+        before = {engine: work_done(engine, app) for engine in engines}  # that one ran: count from here
     context = ask(PROMPTS[1], return_context_logits=True)  # 50 rows
     assert context.status_code == 400 and context.json()["error"]["param"] == "parameters.return_context_logits"
+    assert {engine: work_done(engine, app) for engine in engines} == before
     assert ask(PROMPTS[0], return_context_logits=True).status_code == 200  # 4 rows
 
 
@@ -256,10 +286,9 @@ def test_beam_search_over_pd_and_colocated_equals_one_engine(base_url, reference
         logits = decode_floats(details["generation_logits"])  # [beam_width, longest, vocab], zeros past an end
         assert logits.shape == (3, longest, engine.vocab_size)
         assert all(not logits[i, n:].any() and logits[i, :n].any() for i, n in enumerate(details["sequence_length"]))
-    # Every beam's blocks are given back on P, D and the colocated engine.
-    for app, deployment in (("pd", "PrefillServer"), ("pd", "DecodeServer"), ("co", "LLMServer")):
-        handle = serve.get_deployment_handle(deployment, app_name=app)
-        assert wait_until(lambda: handle.stats.remote().result().blocks_used == 0, 60), (app, deployment)
+    # Every beam's blocks are given back on P, D and the colocated engine (every replica, each read directly).
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pd")
+    assert_nothing_held(["LLMServer"], "co")
 
 
 @pytest.mark.parametrize("parameters, stream, param", [
@@ -350,6 +379,16 @@ def test_draft_tokens_over_pd_and_colocated_stream_the_plain_tokens(base_url, re
         seeded = dict(max_new_tokens=12, temperature=0.8, top_k=50, seed=5, ignore_eos=True)
         assert infer(base_url, app, PROMPTS[3], prompt_lookup=True, **seeded)["generated_text"] == \
             infer(base_url, app, PROMPTS[3], **seeded)["generated_text"]
+        # tiny-llama's greedy output loops, as a model copying from its context does: lookup drafts, and
+        # the counters prove it did (equal text alone would pass with lookup doing nothing).
+        looping = dict(max_new_tokens=24, do_sample=False, ignore_eos=True)
+        before = spec_counts(base_url, app)
+        assert infer(base_url, app, LOOPING_PROMPT, prompt_lookup=True, **looping)["generated_text"] == \
+            infer(base_url, app, LOOPING_PROMPT, **looping)["generated_text"]
+        after = spec_counts(base_url, app)
+        for counter in ("num_draft_tokens", "num_accepted_tokens"):
+            name = f"pdserve_spec_decode_{counter}{label}"
+            assert after[name] > before.get(name, 0), counter
     # The server's cap inside an accepted run, with MindIE's P + D count.
     for app, cap in (("pdcap", CAP + 1), ("cocap", CAP)):
         answer = infer(base_url, app, PROMPTS[1], max_new_tokens=100, do_sample=False, ignore_eos=True,
