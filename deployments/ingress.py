@@ -367,16 +367,11 @@ class Ingress:
     async def get_response(self, response_id: str):
         return self.responses.get(response_id, "response_id").response
 
-    @app.delete("/v1/responses/{response_id}", responses=documented(404))
-    async def delete_response(self, response_id: str):
-        self.responses.delete(response_id)
-        return {"id": response_id, "object": "response.deleted", "deleted": True}
-
-    @app.post("/v1/messages", responses=GENERATION)
+    @app.post("/v1/messages", responses={200: GENERATION[200], **anthropic.documented(400, 404, 408, 413, 503)})
     async def messages(self, body: MessagesRequest, http: Request):
         return await self._through_chat(anthropic.MessagesExchange(body, await self.frontend()), body, http)
 
-    @app.post("/v1/messages/count_tokens", responses=documented(400, 404, 413, 503))
+    @app.post("/v1/messages/count_tokens", responses=anthropic.documented(400, 404, 413, 503))
     async def count_tokens(self, body: CountTokensRequest):
         """The templated prompt's length: the chat request is made (and checked) but not started."""
         front = await self.frontend()

@@ -8,9 +8,11 @@ server-sent events; errors take Anthropic's shape. docs/api.md has each decision
 from __future__ import annotations
 
 import json
+from typing import Literal
 import uuid
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from dialects import through_chat
 from dialects.anthropic_schema import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
@@ -197,6 +199,24 @@ def event(kind: str, **fields) -> str:
 
 
 # ---- errors in Anthropic's shape ------------------------------------------------------------------------
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Every error of Anthropic's routes (documented per route in /openapi.json)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+def documented(*statuses: int) -> dict:
+    """``responses=`` of an Anthropic route: the error statuses it can return, with their body."""
+    return {status: {"model": AnthropicError, "description": ERROR_TYPES.get(status, "api_error")}
+            for status in statuses}
 
 
 def is_route(path: str) -> bool:

@@ -13,7 +13,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, Valid
     model_validator
 
 from dialects.json_types import Seed, StrictModel, only
-from dialects.openai_schema import MAX_STOP, MAX_TOOLS, NAME_PATTERN
+from dialects.openai_schema import MAX_STOP, MAX_TOOLS, MODEL_NAME_PATTERN, NAME_PATTERN
 from dialects.through_chat import located
 
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
@@ -37,9 +37,15 @@ class CacheControl(StrictModel):
 
 class TextBlock(StrictModel):
     type: Literal["text"]
-    text: StrictStr
+    text: NonEmptyStr
     cache_control: CacheControl | None = None
     citations: Annotated[Any, only(None, [], description="citations are not offered")] = None
+
+    @model_validator(mode="after")
+    def _no_citations(self):
+        if self.citations not in (None, []):
+            raise ValueError("citations: citations are not offered")
+        return self
 
 
 class ToolUseBlock(StrictModel):
@@ -71,7 +77,7 @@ BLOCKS = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResult
 def _block(j: int, raw: Any) -> TextBlock | ToolUseBlock | ToolResultBlock:
     """One content block, or a ValueError naming where it is wrong ("<j>.<field>: <rule>")."""
     kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind not in BLOCKS:
+    if not isinstance(kind, str) or kind not in BLOCKS:
         raise ValueError(f"{j}.type: {kind!r} blocks are not supported here; this model reads text, tool_use "
                          "and tool_result blocks (no images, documents or thinking)")
     try:
@@ -82,12 +88,14 @@ def _block(j: int, raw: Any) -> TextBlock | ToolUseBlock | ToolResultBlock:
 
 class Message(StrictModel):
     role: Literal["user", "assistant"]
-    content: NonEmptyStr | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    content: NonEmptyStr | Annotated[list[TextBlock | ToolUseBlock | ToolResultBlock], Field(min_length=1)]
 
-    @field_validator("content")
+    # Blocks and tools are read one by one, so that a 400 names the block and says what is wrong
+    # with it, rather than pydantic's account of each member of a failed union.
+    @field_validator("content", mode="before")
     @classmethod
     def _blocks(cls, content):
-        return content if isinstance(content, str) else [_block(j, raw) for j, raw in enumerate(content)]
+        return [_block(j, raw) for j, raw in enumerate(content)] if isinstance(content, list) else content
 
     @model_validator(mode="after")
     def _blocks_of_its_role(self):
@@ -126,7 +134,7 @@ class ToolChoice(StrictModel):
 
 
 class Thinking(StrictModel):
-    type: Literal["disabled", "enabled", "adaptive"]
+    type: Annotated[Literal["disabled", "enabled", "adaptive"], only("disabled", description=UNSUPPORTED["thinking"])]
     budget_tokens: StrictInt | None = None
 
 
@@ -153,10 +161,10 @@ class Metadata(StrictModel):
 class CountTokensRequest(StrictModel):
     """The conversation: what /v1/messages/count_tokens counts, and what /v1/messages answers."""
 
-    model: StrictStr
+    model: StrictStr = Field(pattern=MODEL_NAME_PATTERN, description="the served model's name")
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     system: StrictStr | Annotated[list[TextBlock], Field(min_length=1)] | None = None
-    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = Field(
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
         None, description="client tools only (no server tools)")
     tool_choice: ToolChoice | None = Field(None, description="absent: auto with tools")
     thinking: Thinking | None = None
@@ -168,19 +176,21 @@ class CountTokensRequest(StrictModel):
     context_management: Annotated[Any, only(None, description=UNSUPPORTED["context_management"])] = None
     diagnostics: Annotated[Any, only(None, description=UNSUPPORTED["diagnostics"])] = None
 
-    @field_validator("tools")
+    @field_validator("tools", mode="before")
     @classmethod
     def _client_tools(cls, tools):
+        if not isinstance(tools, list):
+            return tools
         checked = []
-        for j, tool in enumerate(tools or []):
-            if tool.get("type", "custom") != "custom":
+        for j, tool in enumerate(tools):
+            if isinstance(tool, dict) and tool.get("type", "custom") != "custom":
                 raise ValueError(f"{j}.type: {tool['type']!r} is a server tool; this server runs none: send client "
                                  "tools (name, description, input_schema)")
             try:
                 checked.append(Tool.model_validate(tool))
             except ValidationError as error:
                 raise located(str(j), error) from None
-        return checked if tools is not None else None
+        return checked
 
     @model_validator(mode="after")
     def _offered(self):

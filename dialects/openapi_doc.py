@@ -65,7 +65,8 @@ def _exact_integer_bounds(schemas: dict) -> None:
         for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
             if isinstance(node.get(key), float):
                 node[key] = int(node[key])
-    for request in ("InferParameters", "ChatCompletionRequest", "CompletionRequest"):
+    for request in ("InferParameters", "ChatCompletionRequest", "CompletionRequest", "ResponsesRequest",
+                    "MessagesRequest"):
         _cap(schemas[request]["properties"]["seed"], "maximum", MAX_SEED)
 
 
@@ -108,6 +109,37 @@ def add_rules_across_fields(schemas: dict) -> None:
     tokenize = schemas["TokenizeRequest"]
     tokenize["properties"]["messages"]["anyOf"][0].update(chat["properties"]["messages"])
     tokenize["allOf"] = _tokenize_rules()
+    _through_chat_rules(schemas)
+
+
+def _through_chat_rules(schemas: dict) -> None:
+    """Chat's rules as Responses and Anthropic's requests say them (dialects/responses_schema.py,
+    anthropic_schema.py): stream_options needs stream; a tool_choice other than none needs tools;
+    structured output only where no tool may be called; json_schema needs its name and schema; a
+    named Anthropic tool_choice has a name, the others none."""
+    responses, messages, counted = (schemas[n] for n in ("ResponsesRequest", "MessagesRequest",
+                                                         "CountTokensRequest"))
+    no_tools = {"anyOf": [{"properties": {"tools": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}},
+                          _must("tool_choice", "none")]}
+    tools_given = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
+    structured = {"type": "object", "required": ["format"], "properties": {"format": {
+        "type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}
+    responses["allOf"] = [_when("stream_options", {"type": "object"}, _must("stream", True)),
+                          _when("tool_choice", {"not": {"enum": ["none", None]}}, tools_given),
+                          _when("text", structured, no_tools)]
+    schemas["TextFormat"]["allOf"] = [_when("type", {"const": "json_schema"}, {
+        "required": ["name", "schema"], "properties": {"name": {"type": "string"}, "schema": {"type": "object"}}})]
+    anthropic_no_tools = {"anyOf": [{"properties": {"tools": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}},
+                                    {"required": ["tool_choice"], "properties": {"tool_choice": {
+                                        "type": "object", "properties": {"type": {"const": "none"}}}}}]}
+    for request in (messages, counted):
+        request["allOf"] = [
+            _when("tool_choice", {"type": "object", "properties": {"type": {"not": {"const": "none"}}}}, tools_given),
+            _when("output_config", {"type": "object", "required": ["format"], "properties": {
+                "format": {"type": "object"}}}, anthropic_no_tools)]
+    schemas["ToolChoice"]["allOf"] = [
+        _when("type", {"const": "tool"}, {"required": ["name"], "properties": {"name": {"type": "string"}}}),
+        _when("type", {"not": {"const": "tool"}}, {"properties": {"name": {"type": "null"}}})]
 
 
 def _tokenize_rules() -> list[dict]:
@@ -182,6 +214,12 @@ def add_model_limits(schema: dict, served: Served) -> None:
         parameter["schema"]["enum"] = names
     for request in ("ChatCompletionRequest", "CompletionRequest"):
         schemas[request]["properties"]["model"]["enum"] = generators
+    # Responses' and Anthropic's requests (dialects/responses_schema.py, anthropic_schema.py) go through chat's.
+    schemas["ResponsesRequest"]["properties"]["model"]["anyOf"][0]["enum"] = generators
+    for request in ("MessagesRequest", "CountTokensRequest"):
+        schemas[request]["properties"]["model"]["enum"] = generators
+    for request, name in (("ResponsesRequest", "max_output_tokens"), ("MessagesRequest", "max_tokens")):
+        _cap(schemas[request]["properties"][name], "maximum", info.max_iter_times)
     for request in ("TokenizeRequest", "DetokenizeRequest"):
         schemas[request]["properties"]["model"]["anyOf"][0]["enum"] = generators
     if served.embedding_name is not None:

@@ -189,10 +189,6 @@ class ResponseStore:
                                 f"{self.max_age_s:.0f} s, and not across restarts)", param, "not_found")
         return stored
 
-    def delete(self, response_id: str) -> None:
-        self.get(response_id, "response_id")
-        del self._kept[response_id]
-
     def _evict(self) -> None:
         too_old = time.monotonic() - self.max_age_s
         while self._kept and (len(self._kept) > self.max_count or next(iter(self._kept.values())).stored_at < too_old):

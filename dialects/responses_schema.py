@@ -44,7 +44,7 @@ class TextPart(StrictModel):
     """A message's text: input_text from the user, output_text (an earlier answer sent back)."""
 
     type: Literal["input_text", "output_text"]
-    text: StrictStr
+    text: NonEmptyStr
     annotations: list[Any] | None = None  # output_text as this server returned it
     logprobs: list[Any] | None = None
 
@@ -52,7 +52,7 @@ class TextPart(StrictModel):
 class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: StrictStr | Annotated[list[TextPart], Field(min_length=1)]
+    content: NonEmptyStr | Annotated[list[TextPart], Field(min_length=1)]
     id: StrictStr | None = None  # an output message sent back as input
     status: StrictStr | None = None
     phase: StrictStr | None = None
@@ -75,7 +75,7 @@ class FunctionCallItem(StrictModel):
 class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     call_id: NonEmptyStr
-    output: StrictStr | Annotated[list[TextPart], Field(min_length=1)]
+    output: NonEmptyStr | Annotated[list[TextPart], Field(min_length=1)]
     id: StrictStr | None = None
     status: StrictStr | None = None
 
@@ -92,12 +92,12 @@ def _item(j: int, raw: Any) -> MessageItem | FunctionCallItem | FunctionCallOutp
     if not isinstance(raw, dict):
         raise ValueError(f"{j}: an item is an object")
     kind = raw.get("type", "message")
-    if kind not in ITEMS:
+    if not isinstance(kind, str) or kind not in ITEMS:
         raise ValueError(f"{j}.type: {kind!r} items are not supported here; send messages, function_call and "
                          "function_call_output items")
     parts = raw.get("content") if kind == "message" else raw.get("output")
     for k, part in enumerate(parts if isinstance(parts, list) else []):
-        if isinstance(part, dict) and part.get("type") not in PART_TYPES:
+        if isinstance(part, dict) and not (isinstance(part.get("type"), str) and part["type"] in PART_TYPES):
             where = "content" if kind == "message" else "output"
             raise ValueError(f"{j}.{where}.{k}.type: {part.get('type')!r}: this model reads text only "
                              "(input_text and output_text parts)")
@@ -164,13 +164,14 @@ class StreamOptions(StrictModel):
 
 class ResponsesRequest(StrictModel):
     model: StrictStr | None = Field(None, pattern=MODEL_NAME_PATTERN, description="absent: the served model")
-    input: NonEmptyStr | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
+    input: NonEmptyStr | Annotated[list[MessageItem | FunctionCallItem | FunctionCallOutputItem],
+                                   Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
     instructions: StrictStr | None = Field(None, description="the system message; not carried over by "
                                                              "previous_response_id")
     max_output_tokens: StrictInt | None = Field(None, gt=0, description="(0, max_iter_times]; absent: max_iter_times")
     temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
-    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = Field(
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = Field(
         None, description="function tools only")
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool | None = Field(None, description="false: at most one call; absent: true")
@@ -207,17 +208,21 @@ class ResponsesRequest(StrictModel):
     moderation: Annotated[Any, only(None, description=UNSUPPORTED["moderation"])] = None
     background_options: Annotated[Any, only(None, description=UNSUPPORTED["background_options"])] = None
 
-    @field_validator("input")
+    # Items and tools are read one by one, so that a 400 names the item and says what is wrong
+    # with it, rather than pydantic's account of each member of a failed union.
+    @field_validator("input", mode="before")
     @classmethod
     def _items(cls, value):
-        return value if isinstance(value, str) else [_item(j, raw) for j, raw in enumerate(value)]
+        return [_item(j, raw) for j, raw in enumerate(value)] if isinstance(value, list) else value
 
-    @field_validator("tools")
+    @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, tools):
+        if not isinstance(tools, list):
+            return tools
         checked = []
-        for j, tool in enumerate(tools or []):
-            kind = tool.get("type")
+        for j, tool in enumerate(tools):
+            kind = tool.get("type") if isinstance(tool, dict) else None
             if kind != "function":
                 raise ValueError(f"{j}.type: {kind!r} is a built-in tool ({BUILT_IN_TOOLS}); this server runs "
                                  "none of them: send function tools")
@@ -225,7 +230,7 @@ class ResponsesRequest(StrictModel):
                 checked.append(FunctionTool.model_validate(tool))
             except ValidationError as error:
                 raise located(str(j), error) from None
-        return checked if tools is not None else None
+        return checked
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -238,7 +243,8 @@ class ResponsesRequest(StrictModel):
     @model_validator(mode="after")
     def _offered(self):
         for name, why in UNSUPPORTED.items():
-            if getattr(self, name) not in (None, False):
+            value = getattr(self, name)
+            if value is not None and not (name == "background" and value is False):
                 raise ValueError(f"{name}: {why}")
         if self.include:
             raise ValueError(f"include: {self.include[0]!r}: nothing extra can be included here")

@@ -36,7 +36,8 @@ def located(prefix: str, error: ValidationError) -> ValueError:
     field inside a list (the request's validation error handler prefixes the list's name)."""
     first = error.errors()[0]
     where = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("list[", "str")))
-    return ValueError(f"{prefix}.{where}: {first['msg']}")
+    message = first["msg"].removeprefix("Value error, ")  # a check of the item's own: "<field>: <rule>"
+    return ValueError(f"{prefix}.{where}: {message}" if where else f"{prefix}.{message}")
 
 
 class DeltaWriter:
