@@ -7,9 +7,10 @@ pydantic converts and checks them, and a bad one stops the build with a message 
 from __future__ import annotations
 
 from pathlib import Path
+import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from deployments.disaggregation import DisaggregationPolicy
 from engine.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
@@ -83,6 +84,11 @@ class AppArgs(BaseModel):
     max_lora_tasks: int = Field(64, gt=0, description="/infer_token: TensorRT-LLM task ids the app keeps the "
                                 "adapter of; past them the oldest is forgotten and its id alone is refused")
     max_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get a 413")
+    api_key: SecretStr | None = Field(
+        default_factory=lambda: SecretStr(os.environ["PDSERVE_API_KEY"]) if os.environ.get("PDSERVE_API_KEY") else None,
+        description="when set, every model route needs 'Authorization: Bearer <key>' (Anthropic's routes also take "
+                    "x-api-key); /health, /metrics, /openapi.json and /docs stay open. Default: the environment's "
+                    "PDSERVE_API_KEY, else unset (vLLM's --api-key / VLLM_API_KEY)")
     embeddings: bool = Field(True, description="serve /v1/embeddings (all-MiniLM-L6-v2) in its own deployment")
     traces_exporter: Literal["none", "console"] = Field(
         "none", description="OpenTelemetry spans of each request: none, or console (the ingress's stdout)")

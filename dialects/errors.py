@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
          413: "invalid_request_error", 503: "service_unavailable_error", 504: "timeout_error"}
 
 

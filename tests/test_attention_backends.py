@@ -41,7 +41,8 @@ STEPS = {
 @pytest.mark.parametrize("window", [None, 8, 33])
 @pytest.mark.parametrize("kind", list(STEPS))
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_cpu_paged_equals_the_reference(dtype, tolerance, heads, window, kind, block_size):
+@pytest.mark.parametrize("all_rows", [True, False], ids=["invariant", "default"])
+def test_cpu_paged_equals_the_reference(dtype, tolerance, heads, window, kind, block_size, all_rows):
     num_heads, num_kv_heads = heads
     seqs, slots = step(STEPS[kind], block_size)
     generator = torch.Generator().manual_seed(1)
@@ -49,7 +50,7 @@ def test_cpu_paged_equals_the_reference(dtype, tolerance, heads, window, kind, b
     q, k, v = (torch.randn(n, h, d, generator=generator).to(dtype) for h in (num_heads, num_kv_heads, num_kv_heads))
     caches = [torch.randn(256 * block_size, num_kv_heads, d, generator=generator).to(dtype) for _ in range(2)]
     expected, k_ref, v_ref = attend(torch_sdpa.BACKEND, seqs, slots, q, k, v, caches, window, block_size)
-    got, k_new, v_new = attend(cpu_paged.backend(), seqs, slots, q, k, v, caches, window, block_size)
+    got, k_new, v_new = attend(cpu_paged.backend(all_rows), seqs, slots, q, k, v, caches, window, block_size)
     assert torch.equal(k_new, k_ref) and torch.equal(v_new, v_ref)  # new tokens written to their slots
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
@@ -64,8 +65,8 @@ def test_a_row_is_the_same_whatever_the_step_around_it(dtype):
     table = seqs[0].block_table
     q, k, v = (torch.randn(90, h, d, generator=generator).to(dtype) for h in (9, 3, 3))
     caches = [torch.zeros(256 * block_size, 3, d, dtype=dtype) for _ in range(2)]
-    whole, k_cache, v_cache = attend(cpu_paged.backend(), seqs, slots, q, k, v, caches, None, block_size)
-    backend = cpu_paged.backend()
+    backend = cpu_paged.backend(all_rows=True)
+    whole, k_cache, v_cache = attend(backend, seqs, slots, q, k, v, caches, None, block_size)
     for start, n in [(0, 7), (7, 57), (64, 1), (65, 25)]:  # chunks of 7, 57, a decode, 25: the same bits
         chunk = [AttentionSeq(0, n, start, table), AttentionSeq(n, 3, 5, table)]  # beside another sequence
         rows = slice(start, start + n)
@@ -77,6 +78,8 @@ def test_a_row_is_the_same_whatever_the_step_around_it(dtype):
 
 def test_backend_choice():
     assert select_backend("auto", CPU, torch.float32).name == "cpu_paged"
+    assert not select_backend("auto", CPU, torch.float32).all_rows  # prefill chunks on flash SDPA
+    assert select_backend("auto", CPU, torch.bfloat16, batch_invariant=True).all_rows
     assert select_backend("auto", CPU, torch.float64).name == "torch_sdpa"  # the kernel takes no float64
     assert select_backend("torch_sdpa", CPU, torch.float32).name == "torch_sdpa"
     with pytest.raises(ValueError, match="attention_backend"):

@@ -11,9 +11,10 @@ their slots, then attends.
 Backends (one file each):
 - ``torch_sdpa``: the readable reference. Gathers each decoding sequence's blocks into a padded
   copy and calls torch's scaled_dot_product_attention; any device, any dtype.
-- ``cpu_paged``: a C++ kernel that reads the pool in place, one call per layer per step for every
-  row, with a fixed reduction order over keys (batch- and chunking-invariant). CPU; float32,
-  bfloat16, float16.
+- ``cpu_paged``: a C++ kernel that reads the pool in place, one call per layer per step, with a
+  fixed reduction order over keys (batch- and chunking-invariant). CPU; float32, bfloat16,
+  float16. It takes the decodes, and in batch-invariant mode the prefill chunks too (otherwise
+  they go to torch's flash SDPA, faster on long query blocks).
 ``auto`` picks ``cpu_paged`` on the CPU for the dtypes it takes when its extension is built,
 else ``torch_sdpa``.
 """
@@ -81,7 +82,7 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype,
         if not supported:
             raise ValueError(f"attention_backend: cpu_paged (which batch_invariant needs) runs on the CPU in "
                              f"{', '.join(str(d) for d in cpu_paged.DTYPES)}, not on {device} in {dtype}")
-        return cpu_paged.backend()
+        return cpu_paged.backend(all_rows=batch_invariant)
     if supported and cpu_paged.available():
         return cpu_paged.backend()
     return torch_sdpa.BACKEND

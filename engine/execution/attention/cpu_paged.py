@@ -1,11 +1,14 @@
 """The CPU backend: a C++ kernel that reads the KV pool in place (csrc/paged_attention.cpp).
 
-One call per layer per step covers every row of the step, decodes and prefill chunks alike: each
-row reads its sequence's blocks through the block table, with no gathered copy, no padding and
-no repeated K/V for GQA, and a softmax in float32. Its reduction over keys runs in one fixed
-order (block by block, aligned to absolute positions), so a row's output does not depend on the
-other rows of the step or on how its prompt was chunked: the ground the batch-invariant mode
-stands on (docs/sampling.md).
+One call per layer per step covers the step's rows: each row reads its sequence's blocks through
+the block table, with no gathered copy, no padding and no repeated K/V for GQA, and a softmax in
+float32. Its reduction over keys runs in one fixed order (block by block, aligned to absolute
+positions), so a row's output does not depend on the other rows of the step or on how its prompt
+was chunked: the ground the batch-invariant mode stands on (docs/sampling.md).
+
+Which rows: in batch-invariant mode, all of them. Otherwise the decodes only, and prefill chunks
+go to torch's flash SDPA (the reference's chunk path), which runs a long query block several
+times faster than this kernel's per-row loops (benchmarks/RESULTS.md, "Attention backends").
 
 The extension is compiled for this machine's CPU (-march=native) by ``make install``
 (``python -m engine.execution.attention.cpu_paged``) into torch's extension cache
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.execution.attention import AttentionSeq
+from engine.execution.attention.torch_sdpa import BACKEND as SDPA, SdpaStep
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,7 @@ class PagedStep:
     seq_lengths: torch.Tensor  # [T] int64: its rows in the step
     seq_table_rows: torch.Tensor  # [T] int64: its row of ``tables`` (arange: one table per sequence)
     block_size: int
+    chunks: SdpaStep | None  # the prefill chunks left to SDPA (outside batch-invariant mode)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -71,19 +76,30 @@ class PagedStep:
         v_cache.index_copy_(0, self.slot_mapping, v)
         q = q.contiguous()
         out = torch.empty_like(q)
-        extension().paged_attention(out, q, k_cache, v_cache, self.tables, self.seq_table_rows, self.seq_rows,
-                                    self.seq_positions, self.seq_lengths, self.block_size, window or 0,
-                                    q.shape[-1] ** -0.5)
+        if len(self.seq_rows):
+            extension().paged_attention(out, q, k_cache, v_cache, self.tables, self.seq_table_rows, self.seq_rows,
+                                        self.seq_positions, self.seq_lengths, self.block_size, window or 0,
+                                        q.shape[-1] ** -0.5)
+        if self.chunks is not None:
+            self.chunks.attend_chunks(q, k, v, k_cache, v_cache, window, out)
         return out
 
 
 class PagedBackend:
     name = "cpu_paged"
 
+    def __init__(self, all_rows: bool) -> None:
+        """``all_rows``: the kernel takes prefill chunks too (batch-invariant mode)."""
+        self.all_rows = all_rows
+
     def prepare(self, slot_mapping: torch.Tensor, seqs: list[AttentionSeq], windows: set[int | None],
                 block_size: int, device: torch.device) -> PagedStep:
         if block_size > MAX_BLOCK_SIZE:
             raise ValueError(f"block_size: the cpu_paged attention takes at most {MAX_BLOCK_SIZE}")
+        chunks = None
+        if not self.all_rows and any(s.num_tokens > 1 for s in seqs):
+            chunks = SDPA.prepare(slot_mapping, [s for s in seqs if s.num_tokens > 1], windows, block_size, device)
+            seqs = [s for s in seqs if s.num_tokens == 1]
         max_blocks = max((len(s.block_table) for s in seqs), default=1)
         tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
         for i, s in enumerate(seqs):
@@ -91,13 +107,14 @@ class PagedBackend:
         columns = torch.tensor([(s.flat_start, s.start_pos, s.num_tokens) for s in seqs], dtype=torch.int64)
         columns = columns.reshape(len(seqs), 3)
         return PagedStep(slot_mapping, tables, columns[:, 0].contiguous(), columns[:, 1].contiguous(),
-                         columns[:, 2].contiguous(), torch.arange(len(seqs), dtype=torch.int64), block_size)
+                         columns[:, 2].contiguous(), torch.arange(len(seqs), dtype=torch.int64), block_size, chunks)
 
 
-def backend() -> PagedBackend:
-    """The backend, its kernel loaded (built first if this machine has not built it yet)."""
+def backend(all_rows: bool = False) -> PagedBackend:
+    """The backend, its kernel loaded (built first if this machine has not built it yet);
+    ``all_rows``: prefill chunks on the kernel too (batch-invariant mode)."""
     extension()
-    return PagedBackend()
+    return PagedBackend(all_rows)
 
 
 if __name__ == "__main__":  # make install: build the kernel once for this machine

@@ -48,6 +48,12 @@ class SdpaStep:
             k_d, v_d = k_d.transpose(1, 2), v_d.transpose(1, 2)  # [Bd, Hkv, Lmax, D]
             o = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=self.decode_masks[window], enable_gqa=True)
             out[self.decode_rows] = o.squeeze(2)
+        self.attend_chunks(q, k, v, k_cache, v_cache, window, out)
+        return out
+
+    def attend_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, window: int | None, out: torch.Tensor) -> None:
+        """The prefill chunks' rows of ``out``, their K/V already in the caches."""
         for chunk in self.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             q_p = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -61,7 +67,6 @@ class SdpaStep:
                                                v_p.transpose(0, 1).unsqueeze(0),
                                                attn_mask=mask, is_causal=mask is None, enable_gqa=True)
             out[rows] = o.squeeze(0).transpose(0, 1)
-        return out
 
 
 class SdpaBackend:

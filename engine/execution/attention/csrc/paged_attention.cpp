@@ -22,6 +22,7 @@
 #include <c10/util/Half.h>
 
 #include <atomic>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -34,9 +35,9 @@ constexpr int kQueryTile = 16;  // query positions per task: they share each K/V
 // exp(x) for x <= 0 (softmax arguments), to ~1 ulp: 2^n * 2^f with f in [-0.5, 0.5] and a degree-7
 // polynomial. Plain code the compiler vectorizes; the same code runs for every row.
 inline float exp_nonpositive(float x) {
-  x = std::fmax(x, -87.0f);
+  x = x > -87.0f ? x : -87.0f;
   const float t = x * 1.4426950408889634f;
-  const float n = std::nearbyint(t);
+  const float n = static_cast<float>(static_cast<int32_t>(t - 0.5f));  // round(t) for t <= 0, by truncation
   const float f = std::fma(n, -0.693145751953125f, x) - n * 1.428606765330187e-06f;  // x - n*ln2, two parts
   float p = 1.9875691500e-4f;
   p = std::fma(p, f, 1.3981999507e-3f);
@@ -45,10 +46,13 @@ inline float exp_nonpositive(float x) {
   p = std::fma(p, f, 1.6666665459e-1f);
   p = std::fma(p, f, 5.0000001201e-1f);
   p = std::fma(p, f * f, f + 1.0f);
-  union { int32_t i; float v; } scale;
-  scale.i = (static_cast<int32_t>(n) + 127) << 23;
-  return p * scale.v;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
+
+inline float max_of(float a, float b) { return a > b ? a : b; }  // no NaN reaches it
 
 template <typename scalar_t>
 inline float to_float(scalar_t v) { return static_cast<float>(v); }
@@ -112,9 +116,9 @@ void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_
       float block_max = -std::numeric_limits<float>::infinity();
       for (int64_t j = lo; j < hi; ++j) {
         scores[j] *= scale;
-        block_max = std::fmax(block_max, scores[j]);
+        block_max = max_of(block_max, scores[j]);
       }
-      const float new_max = std::fmax(running_max[r], block_max);
+      const float new_max = max_of(running_max[r], block_max);
       const float rescale = exp_nonpositive(running_max[r] - new_max);  // 0 on the row's first block
       running_max[r] = new_max;
       for (int64_t j = lo; j < hi; ++j) probs[j] = exp_nonpositive(scores[j] - new_max);
