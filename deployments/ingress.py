@@ -31,7 +31,7 @@ from deployments.health import Readiness, describe
 from deployments.metrics import IngressMetrics
 from deployments.migration import migrating
 from deployments.tracing import RequestTrace, SpanWriter, log_line, traced
-from dialects import anthropic, mindie, responses
+from dialects import anthropic, auth, mindie, responses
 from dialects.anthropic_schema import CountTokensRequest, MessagesRequest
 from dialects.errors import (APIError, documented, error_response, on_api_error, on_http_error,
                              on_validation_error)
@@ -76,15 +76,23 @@ GENERATION = {200: {"content": {"application/json": {}, SSE: {}}},
 
 @app.middleware("http")
 async def limit_and_count(request: Request, call_next):
-    """413 for bodies over the cap; count every request by endpoint, status and priority."""
+    """401 on a model route without the API key (dialects/auth.py), 413 for bodies over the cap,
+    each in the route's dialect; count every request by endpoint, status and priority."""
     request.state.arrival = time.time()  # the start of the request's trace (deployments/tracing.py)
+    path, refusal = auth.route_path(request.scope), None
+    if not auth.is_open(path):
+        try:
+            auth.check_api_key(request.app.state.api_key, request.headers, x_api_key=anthropic.is_route(path))
+        except APIError as error:
+            refusal = error.response()
+            refusal.headers["WWW-Authenticate"] = "Bearer"
     limit = request.app.state.max_body_bytes
     declared = request.headers.get("content-length")
-    too_big = int(declared) > limit if declared and declared.isdigit() else len(await request.body()) > limit
-    if too_big:
-        response = error_response(413, f"the request body exceeds {limit} bytes", None, "body_too_large")
-        if anthropic.is_route(request.url.path):
-            response = anthropic.from_openai_error(response)
+    if refusal is None and (int(declared) > limit if declared and declared.isdigit()
+                            else len(await request.body()) > limit):
+        refusal = error_response(413, f"the request body exceeds {limit} bytes", None, "body_too_large")
+    if refusal is not None:
+        response = anthropic.from_openai_error(refusal) if anthropic.is_route(path) else refusal
     else:
         response = await call_next(request)
     metrics: IngressMetrics = request.app.state.metrics
@@ -151,6 +159,7 @@ class Ingress:
         self.spans = SpanWriter(args.traces_exporter) if args.traces_exporter != "none" else None
         app.state.metrics = self.metrics
         app.state.max_body_bytes = args.max_body_bytes
+        app.state.api_key = args.api_key.get_secret_value() if args.api_key is not None else None
         self._info: ModelInfo | None = None
         self._frontend: OpenAIFrontend | None = None
         self._openapi: dict | None = None
