@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from dialects import mindie
 from dialects.errors import APIError
 from dialects.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, Tool
+from dialects.reasoning import ReasoningParser, reasoning_parser, template_mentions
 from dialects.tool_calls import message_tool_calls, parse_tool_calls, template_has_tool_syntax, tools_grammar
 from engine.execution.lora import LoraRef
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput, TokenLogprob
@@ -40,6 +41,7 @@ class Choice:
     # anyway) and it is dropped: the choice returns the prompt, scored, and nothing generated.
     scores_only: bool = False
     may_call_tools: bool = False  # the output is parsed for tool calls (message.tool_calls)
+    reasoning: ReasoningParser | None = None  # the output thinks first: reasoning_content, then content
     outputs: list[RequestOutput] = field(default_factory=list)
 
     @property
@@ -76,6 +78,15 @@ class OpenAIFrontend:
         gap = max_model_len - max_iter_times
         self.max_prompt_tokens = gap if gap > 0 else max_model_len - 1
         self.finish_reasons = mindie.FINISH_REASONS if finish_reasons == "mindie" else OPENAI_FINISH
+        self.reasoning = reasoning_parser(tokenizer.chat_template, self._probe_generation_prompt())
+
+    def _probe_generation_prompt(self) -> str:
+        """The template's rendering of one user message, for ``reasoning_parser``."""
+        try:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception:  # no template, or one that needs more than a user message: no reasoning
+            return ""
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -99,7 +110,12 @@ class OpenAIFrontend:
         grammar = self._chat_grammar(body)
         # Tools are shown to the model only when it may call them (tool_choice "none" hides them).
         tools = body.tools if body.tool_mode() else None
-        prompt_ids = self._truncated(self.chat_prompt_ids(body.messages, tools), body)
+        template_kwargs = self.template_kwargs(body)
+        reasoning = self.reasoning if template_kwargs.get("enable_thinking", True) is not False else None
+        if reasoning is not None:
+            self._check_no_grammar_while_thinking(body)
+        prompt_ids = self._truncated(self.chat_prompt_ids(body.messages, tools, template_kwargs=template_kwargs),
+                                     body)
         if len(prompt_ids) > self.max_prompt_tokens:
             raise APIError(400, f"messages: the templated prompt has {len(prompt_ids)} tokens; at most "
                                 f"{self.max_prompt_tokens} fit (model length minus max_iter_times)", "messages",
@@ -107,17 +123,46 @@ class OpenAIFrontend:
         params = self._params(body, (body.top_logprobs or 0) if body.logprobs else None, grammar=grammar)
         request = GenerationRequest(f"{request_id}-0", prompt_ids, params, body.priority, deadline, body.n,
                                     prompt_lookup=body.prompt_lookup, lora=lora)
-        return [Choice(j, 0, len(prompt_ids), request, may_call_tools=tools is not None) for j in range(body.n)]
+        return [Choice(j, 0, len(prompt_ids), request, may_call_tools=tools is not None, reasoning=reasoning)
+                for j in range(body.n)]
+
+    def template_kwargs(self, body: ChatCompletionRequest) -> dict:
+        """chat_template_kwargs and reasoning_effort for the template: each must be one it reads."""
+        kwargs = dict(body.chat_template_kwargs or {})
+        for name in kwargs:
+            if not template_mentions(self.tokenizer.chat_template, name):
+                raise APIError(400, f"chat_template_kwargs.{name}: the served model's chat template does not read "
+                                    f"{name!r}", f"chat_template_kwargs.{name}", "unsupported")
+        if body.reasoning_effort is not None:
+            if not template_mentions(self.tokenizer.chat_template, "reasoning_effort"):
+                raise APIError(400, "reasoning_effort: the served model's chat template has no reasoning effort "
+                                    "control (a Qwen3 template's thinking is switched by chat_template_kwargs "
+                                    "enable_thinking)", "reasoning_effort", "unsupported")
+            kwargs["reasoning_effort"] = body.reasoning_effort
+        return kwargs
+
+    @staticmethod
+    def _check_no_grammar_while_thinking(body: ChatCompletionRequest) -> None:
+        """A grammar would constrain the thinking too: refused until it can start after it."""
+        formatted = body.response_format is not None and body.response_format.type != "text"
+        named = body.tool_mode() not in (None, "auto")
+        for field, used in (("response_format", formatted), ("structured_outputs", body.structured_outputs is not None),
+                            ("tool_choice", named)):
+            if used:
+                raise APIError(400, f"{field}: the served model thinks before it answers, and constrained output "
+                                    "would constrain its thinking too; send chat_template_kwargs "
+                                    "{\"enable_thinking\": false} with it", field, "unsupported")
 
     def chat_prompt_ids(self, messages: list[ChatMessage], tools: list[Tool] | None, add_generation_prompt: bool = True,
-                        continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+                        continue_final_message: bool = False, add_special_tokens: bool = False,
+                        template_kwargs: dict | None = None) -> list[int]:
         """The messages through the tokenizer's chat template, as token ids (chat, /tokenize)."""
         try:
             text = self.tokenizer.apply_chat_template(
                 [m.for_template() for m in messages],
                 tools=[t.model_dump(exclude_none=True) for t in tools or []] or None,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                tokenize=False)
+                tokenize=False, **(template_kwargs or {}))
         except TemplateError as error:  # the template's own raise_exception: it refuses these messages
             raise APIError(400, f"messages: the model's chat template refuses them: {error}", "messages",
                            "invalid_value") from None
@@ -281,14 +326,17 @@ class OpenAIFrontend:
     @staticmethod
     def chat_message(c: Choice) -> tuple[dict, bool]:
         """The assistant message, and whether it called tools: then ``content`` is the text before
-        the calls, null when there is none."""
+        the calls, null when there is none. A reasoning model's thinking goes to
+        ``reasoning_content`` (and ``reasoning``, vLLM's newer name); the calls are read after it."""
+        reasoning, text = c.reasoning.split(c.text) if c.reasoning is not None else (None, c.text)
+        thought = {} if reasoning is None else {"reasoning_content": reasoning, "reasoning": reasoning}
         if not c.may_call_tools:
-            return {"role": "assistant", "content": c.text}, False
-        content, parsed = parse_tool_calls(c.text)
+            return {"role": "assistant", "content": text, **thought}, False
+        content, parsed = parse_tool_calls(text)
         calls = message_tool_calls(parsed)
         if not calls:  # text only (or a call cut off before its name, as a stream would show it)
-            return {"role": "assistant", "content": content}, False
-        return {"role": "assistant", "content": content or None, "tool_calls": calls}, True
+            return {"role": "assistant", "content": content, **thought}, False
+        return {"role": "assistant", "content": content or None, "tool_calls": calls, **thought}, True
 
     def completion_response(self, response_id: str, made: list[Choice], returned: list[Choice], created: int,
                             suffix: str, with_logprobs: bool) -> dict:

@@ -327,7 +327,6 @@ class ResponseFormat(StrictModel):
 UNSUPPORTED_CHAT_FIELDS = {
     "audio": "audio output needs an audio model",
     "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "the served model has no reasoning controls",
     "verbosity": "the served model has no verbosity control",
     "web_search_options": "this server does no web search",
     "functions": "deprecated by OpenAI; send tools",
@@ -352,10 +351,15 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: ServiceTier | None = Field(None, description="accepted; one tier here")
     prompt_cache_key: StrictStr | None = Field(None, description="accepted; prefix caching is by content")
     safety_identifier: StrictStr | None = Field(None, description="accepted; identifies the caller")
+    # Reasoning models (dialects/reasoning.py): each reaches the chat template where it reads it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="given to the chat template; a 400 when the served template does not read it")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's extension: more variables for the chat template (enable_thinking: false turns "
+                          "a Qwen3 model's thinking off); a 400 naming each one the template does not read")
     # Refused unless null (UNSUPPORTED_CHAT_FIELDS says why).
     audio: Annotated[Any, only(None, description=UNSUPPORTED_CHAT_FIELDS["audio"])] = None
     prediction: Annotated[Any, only(None, description=UNSUPPORTED_CHAT_FIELDS["prediction"])] = None
-    reasoning_effort: Annotated[Any, only(None, description=UNSUPPORTED_CHAT_FIELDS["reasoning_effort"])] = None
     verbosity: Annotated[Any, only(None, description=UNSUPPORTED_CHAT_FIELDS["verbosity"])] = None
     web_search_options: Annotated[Any, only(None, description=UNSUPPORTED_CHAT_FIELDS["web_search_options"])] = None
     functions: Annotated[Any, only(None, description=UNSUPPORTED_CHAT_FIELDS["functions"])] = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dialects.json_types import sse_event
 from dialects.openai_api import Choice, OpenAIFrontend, generated_logprobs, prompt_logprobs
+from dialects.reasoning import ReasoningStream
 from dialects.tool_calls import ToolCallStream
 from engine.outputs import RequestOutput, TokenLogprob
 
@@ -29,6 +30,7 @@ class StreamWriter:
         self._started: set[int] = set()  # choice positions whose first chunk went out
         self._held: dict[int, list[TokenLogprob | int]] = {}  # logprobs waiting for text
         self._tools: dict[int, ToolCallStream] = {}  # per choice that may call tools
+        self._thinking: dict[int, ReasoningStream] = {}  # per choice of a reasoning model
 
     def write(self, position: int, output: RequestOutput) -> str:
         choice = self.choices[position]
@@ -39,8 +41,7 @@ class StreamWriter:
         entries += generated_logprobs(choice, [output])
         text = "" if choice.scores_only else output.new_text
         if self.chat:
-            deltas = self._tool_stream(position).feed(text, output.finished) if choice.may_call_tools else \
-                [{"content": text}] if text else []
+            deltas = self._chat_deltas(position, text, output.finished)
         else:
             text = (choice.prefix if first else "") + text + (self.suffix if output.finished else "")
             deltas = [text] if text else []
@@ -75,6 +76,18 @@ class StreamWriter:
                 entries = []
             events += self._chunk([body])
         return events
+
+    def _chat_deltas(self, position: int, text: str, finished: bool) -> list[dict]:
+        """The thinking (reasoning_content and reasoning) first, then content or tool calls."""
+        choice, deltas = self.choices[position], []
+        if choice.reasoning is not None:
+            stream = self._thinking.setdefault(position, ReasoningStream(choice.reasoning))
+            thought, text = stream.feed(text, finished)
+            if thought:
+                deltas.append({"reasoning_content": thought, "reasoning": thought})
+        if choice.may_call_tools:
+            return deltas + self._tool_stream(position).feed(text, finished)
+        return deltas + ([{"content": text}] if text else [])
 
     def _called(self, position: int) -> bool:
         return self.choices[position].may_call_tools and self._tool_stream(position).called
