@@ -17,7 +17,7 @@ from engine.execution.lora import ModelShape, from_peft, from_trtllm
 from engine.request import GenerationRequest
 from engine.execution.tiny_model import ensure_tiny_model
 from sampling import SamplingParams
-from tests.serving import serve_session, wait_until
+from tests.serving import assert_nothing_held, serve_session
 from tests.test_lora import ALL, make_adapter, to_trtllm
 
 PROMPT = [1, 450, 499, 173, 170, 110, 169, 97, 278]

@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import element_size, migrations, serve_session, sse_events, wait_until
+from tests.serving import assert_nothing_held, element_size, migrations, serve_session, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
 
