@@ -38,13 +38,13 @@ class AppArgs(BaseModel):
     max_model_len: int | None = Field(None, gt=0)
     torch_threads: int | None = Field(None, gt=0, description="intra-op threads per engine replica")
     enable_prefix_caching: bool = Field(True, description="reuse the KV of prompt blocks computed before")
-    max_ongoing_requests: int = Field(256, gt=0, description="concurrent requests per P/D replica")
     attention_backend: str = Field("auto", description="auto, torch_sdpa (the reference) or cpu_paged (the C++ "
                                    "kernel that reads the KV pool in place); engine/execution/attention/")
     batch_invariant: bool | None = Field(
         None, description="each request's tokens and logprobs independent of the other requests of its steps and "
         "of its prompt's chunking (docs/sampling.md); costs throughput. Default: PDSERVE_BATCH_INVARIANT=1 "
         "in the replicas' environment turns it on where it can be")
+    max_ongoing_requests: int = Field(256, gt=0, description="concurrent requests per P/D replica")
     finish_reasons: Literal["openai", "mindie"] = Field(
         "openai", description="finish_reason values on /v1: OpenAI's (stop, length) or MindIE's")
     max_migrations: int = Field(3, ge=0, description="times a request moves to another replica when the one "
@@ -99,16 +99,16 @@ class AppArgs(BaseModel):
             setattr(self, field, _absolute_if_local(getattr(self, field)))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.batch_invariant and self.attention_backend == "torch_sdpa":
+            raise ValueError("batch_invariant: needs the cpu_paged attention, not torch_sdpa")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError("prompt_lookup_max: must be >= prompt_lookup_min")
         if self.lora_directories:  # a malformed lora_modules stops the build here
             self.enable_lora = True
         return self
 
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}")
-        if self.batch_invariant and self.attention_backend == "torch_sdpa":
-            raise ValueError("batch_invariant: needs the cpu_paged attention, not torch_sdpa")
     @property
     def lora_directories(self) -> dict[str, str]:
         """``lora_modules`` as {name: directory}."""
@@ -138,13 +138,13 @@ class AppArgs(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             max_iter_times=self.max_iter_times, torch_threads=self.torch_threads,
             enable_prefix_caching=self.enable_prefix_caching, max_draft_tokens=self.max_draft_tokens,
+            attention_backend=self.attention_backend, batch_invariant=self.batch_invariant,
             prompt_lookup=self.prompt_lookup, num_speculative_tokens=self.num_speculative_tokens,
             prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
             max_lora_rank=self.max_lora_rank)
 
 
 def _absolute_if_local(model: str | None) -> str | None:
-            attention_backend=self.attention_backend, batch_invariant=self.batch_invariant,
     """A model path relative to where the app is built (``serve run``'s directory) made absolute,
     since the replicas run in other directories; names (tiny-llama, hub ids) pass unchanged."""
     if model in (None, TINY_LLAMA) or Path(model).is_absolute() or not Path(model).exists():
