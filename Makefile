@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 UV     := uv==0.13.9
 
-.PHONY: install lock serve test bench bench-vllm clean
+.PHONY: install lock serve test bench bench-vllm clean mutants mutants-report
 
 # The install is locked: requirements.lock pins every package but torch (`make lock` remakes it
 # from pyproject.toml's ranges). uv installs those exact versions, in parallel, resolving nothing.
@@ -77,3 +77,29 @@ bench-vllm: .venv-vllm/.installed
 
 clean:
 	rm -rf $(VENV) .venv-vllm
+
+# Mutation testing (docs/testing.md), not part of CI: mutmut over sampling/ and the scheduling core
+# (tests/mutmut.cfg) with their fast unit tests, in a scratch copy under build/, at the lowest CPU
+# priority, bounded to MUTANTS_S. mutmut lives in a venv of its own that sees .venv's packages
+# (a .pth file), so neither requirements.lock nor .venv changes. Report: `make mutants-report`.
+MUTANTS   := build/mutants
+MUTANTS_S ?= 1800
+MUTMUT    := build/venv-mutants/bin/mutmut
+
+$(MUTMUT): | $(STAMP)
+	python3 -m venv build/venv-mutants
+	build/venv-mutants/bin/python -m pip install --quiet mutmut==3.8.1
+	$(VENV)/bin/python -c "import site; print(site.getsitepackages()[0])" > \
+	  "$$(build/venv-mutants/bin/python -c 'import site; print(site.getsitepackages()[0])')/pdserve-venv.pth"
+
+mutants: $(MUTMUT)
+	rm -rf $(MUTANTS) && mkdir -p $(MUTANTS)
+	cp -r sampling engine deployments dialects tests $(MUTANTS)/
+	cp tests/mutmut.cfg $(MUTANTS)/setup.cfg
+	cd $(MUTANTS) && timeout $(MUTANTS_S) nice -n 19 ../venv-mutants/bin/mutmut run --max-children 2 || true
+	$(MAKE) --no-print-directory mutants-report
+
+mutants-report:
+	cd $(MUTANTS) && ../venv-mutants/bin/mutmut export-cicd-stats && cat mutants/mutmut-cicd-stats.json && \
+	  ../venv-mutants/bin/mutmut results
+

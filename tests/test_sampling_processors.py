@@ -89,3 +89,16 @@ def test_mixed_rows_in_one_batch(data):
     assert got[2, EOS] == -float("inf")
     assert torch.equal(got[3], logits[3])
     assert got[5, 4] == -float("inf")
+
+
+def test_bans_at_the_shortest_history_that_allows_them():
+    """Boundaries random data rarely meets: a history exactly n tokens long (no-repeat n-grams),
+    and exactly a bad word's prefix (bad words). Mutants skipping them survived `make mutants`."""
+    logits = torch.zeros(1, VOCAB)
+    ids = torch.tensor([[5, 5, 5]])  # the n-gram (5, 5, 5) is complete: 5 may not follow (5, 5) again
+    got = ours(logits, ids, [SamplingParams(no_repeat_ngram_size=3)], output_len=0)
+    assert torch.equal(got, NoRepeatNGramLogitsProcessor(3)(ids, logits.clone())) and got[0, 5] == -float("inf")
+    ids = torch.tensor([[7, 8]])  # the whole history is the bad word's prefix: its last token is banned
+    got = ours(logits, ids, [SamplingParams(bad_words_ids=[[7, 8, 9]])], output_len=0)
+    want = NoBadWordsLogitsProcessor([[7, 8, 9]], eos_token_id=EOS)(ids, logits.clone())
+    assert torch.equal(got, want) and got[0, 9] == -float("inf")
