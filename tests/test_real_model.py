@@ -61,11 +61,18 @@ def reference(gguf_file):
 
 
 def hf_greedy(reference, prompt_ids: list[int]) -> list[int]:
+    return hf_greedy_logprobs(reference, prompt_ids)[0]
+
+
+def hf_greedy_logprobs(reference, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+    """generate()'s greedy tokens and each one's log-probability (log_softmax of its step's logits)."""
     model, _ = reference
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=MAX_TOKENS)
-    return out[0, len(prompt_ids):].tolist()
+                             do_sample=False, max_new_tokens=MAX_TOKENS, output_scores=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.scores, tokens)]
 
 
 def chat_prompt(tokenizer, question: str) -> list[int]:
@@ -85,16 +92,21 @@ def test_models_names_the_real_model(base_url):
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_chat_greedy_equals_transformers_and_ends_at_end_of_turn(base_url, reference, question):
     _, tokenizer = reference
-    expected = hf_greedy(reference, chat_prompt(tokenizer, question))
+    expected, logprobs = hf_greedy_logprobs(reference, chat_prompt(tokenizer, question))
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert expected[-1] == end_of_turn, "transformers' answer must end by itself within MAX_TOKENS"
     for app in APPS:
         answer = client(base_url, app).chat.completions.create(
-            model=SERVED_NAME, messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS, temperature=0)
+            model=SERVED_NAME, messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS, temperature=0,
+            logprobs=True)
         choice = answer.choices[0]
         assert choice.message.content == tokenizer.decode(expected[:-1]), app
         assert choice.finish_reason == "stop", app  # the end-of-turn token, not the length limit
         assert answer.usage.completion_tokens == len(expected), app
+        # The same weights, not only the same argmax: weights rounded through bfloat16 on the way into
+        # the cache keep these short greedy answers but move a log-probability by ~1e-2 (float32: ~1e-6).
+        served = [entry.logprob for entry in choice.logprobs.content]
+        assert served == pytest.approx(logprobs, abs=1e-3), app
 
 
 @pytest.mark.parametrize("prompt", COMPLETIONS)
