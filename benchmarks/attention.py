@@ -28,14 +28,16 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CPU = torch.device("cpu")
 
 
-def scattered_step(specs: list[tuple[int, int]], num_blocks: int) -> tuple[list[AttentionSeq], torch.Tensor]:
-    """Sequences (start, new tokens) with their blocks drawn at random from the pool."""
+def scattered_step(specs: list[tuple[int, int]], num_blocks: int,
+                   block_size: int = BLOCK) -> tuple[list[AttentionSeq], torch.Tensor]:
+    """Sequences (start, new tokens) with their blocks drawn at random from the pool, and the
+    slots [N] of their new tokens."""
     free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     seqs, slots, flat = [], [], 0
     for start, n in specs:
-        table = [free.pop() for _ in range(-(-(start + n) // BLOCK))]
+        table = [free.pop() for _ in range(-(-(start + n) // block_size))]
         seqs.append(AttentionSeq(flat, n, start, table))
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
         flat += n
     return seqs, torch.tensor(slots)
 

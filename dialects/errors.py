@@ -104,8 +104,10 @@ async def on_validation_error(_: Request, error: RequestValidationError) -> JSON
         # to where the check ran (messages.2 for a message's own check).
         named = from_value_error(ValueError(message))
         if named.param:
-            if location:
-                named.param = ".".join([*location, named.param])
-                message = f"{'.'.join(location)}.{message}"
+            where = ".".join(location)
+            # A check may already name its field from the top (response_format.json_schema): no second prefix.
+            if where and named.param != where and not named.param.startswith(where + "."):
+                named.param = f"{where}.{named.param}"
+                message = f"{where}.{message}"
             return error_response(400, message, named.param, "invalid_value")
     return error_response(400, f"{param or 'body'}: {message}", param, first.get("type"))

@@ -23,16 +23,18 @@ ARCHITECTURES = {
 }
 
 
-def make_random_model(directory: Path, architecture: str, seed: int = 0, vocab_size: int | None = None) -> Path:
+def make_random_model(directory: Path, architecture: str, seed: int = 0, vocab_size: int | None = None,
+                      make_config=None) -> Path:
     """A random model of ``architecture`` with tiny-llama's tokenizer, saved to ``directory``.
-    ``vocab_size`` larger than the tokenizer's gives ids that decode to no text."""
+    ``vocab_size`` larger than the tokenizer's gives ids that decode to no text; ``make_config``
+    (vocab -> a transformers config) replaces ARCHITECTURES' for a shape of the test's own."""
     tokenizer_dir = ensure_tiny_model()
     directory.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, directory / name)
     vocab = vocab_size or len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
-    config = ARCHITECTURES[architecture](vocab)
+    config = (make_config or ARCHITECTURES[architecture])(vocab)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # larger weights than the default init: sharper, less tied logits

@@ -3,23 +3,16 @@
 import pytest
 import torch
 
+from benchmarks.attention import scattered_step
 from engine.execution.attention import AttentionSeq, cpu_paged, select_backend, torch_sdpa
 from tests.test_engine_parity import engine, hf_greedy_with_top, prompts, requests
 
 CPU = torch.device("cpu")
 
 
-def step(specs: list[tuple[int, int]], block_size: int, num_blocks: int = 256, seed: int = 0) -> tuple:
-    """A step of sequences (start position, new tokens), their blocks scattered over the pool."""
-    generator = torch.Generator().manual_seed(seed)
-    free = torch.randperm(num_blocks, generator=generator).tolist()
-    seqs, slots, flat = [], [], 0
-    for start, n in specs:
-        table = [free.pop() for _ in range(-(-(start + n) // block_size))]
-        seqs.append(AttentionSeq(flat, n, start, table))
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
-        flat += n
-    return seqs, torch.tensor(slots)
+def step(specs: list[tuple[int, int]], block_size: int) -> tuple:
+    """A step of sequences (start position, new tokens), their blocks scattered over a pool of 256."""
+    return scattered_step(specs, 256, block_size)
 
 
 def attend(backend, seqs, slots, q, k, v, caches, window, block_size):

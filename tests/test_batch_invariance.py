@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.models import ARCHITECTURES, make_random_model
+from tests.models import make_random_model
 
 # Wide enough (SmolLM-135M's width, GQA 9:3) that the GEMM library's blocking differs with the
 # number of rows; two layers keep it quick.
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory):
-    ARCHITECTURES.setdefault("wide-llama", lambda vocab: LlamaConfig(vocab_size=vocab, **WIDE))
-    return make_random_model(tmp_path_factory.mktemp("wide") / "model", "wide-llama")
+    return make_random_model(tmp_path_factory.mktemp("wide") / "model", "llama",
+                             make_config=lambda vocab: LlamaConfig(vocab_size=vocab, **WIDE))
 
 
 def wide_engine(model_dir, **overrides) -> LLMEngine:
