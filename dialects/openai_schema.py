@@ -271,6 +271,8 @@ class FunctionDefinition(StrictModel):
         if parameters.get("type", "object") != "object":
             raise ValueError(f"the arguments must be a JSON object: type 'object', got {parameters['type']!r}")
         properties = parameters.get("properties")
+        if "properties" in parameters and not isinstance(properties, dict):
+            raise ValueError("properties must be an object: a schema per argument")
         count = len(properties) if isinstance(properties, dict) else 0
         if count > MAX_TOOL_PROPERTIES:
             raise ValueError(f"{count} properties; at most {MAX_TOOL_PROPERTIES} per function")

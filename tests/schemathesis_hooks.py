@@ -33,6 +33,7 @@ def filter_failure(context, failure, case, response) -> bool:
                 and "grammar engine" in message
                 or param == "prompt_lookup" and "without drafts" in message
                 or param == "min_tokens" and "must be <= the output limit" in message
+                or param == "min_tokens" and "cannot be combined with" in message
                 or param == "continue_final_message" and "the last message must be" in message
                 or (param == "reasoning_effort" or param.startswith("chat_template_kwargs."))
                 and "chat template" in message  # what the served model's template reads
