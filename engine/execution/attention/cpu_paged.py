@@ -49,11 +49,11 @@ def extension():
 
 @cache
 def available() -> bool:
-    """Whether the kernel builds and loads here; if not, ``auto`` falls back to the reference."""
+    """Whether the kernel builds and loads here; if not, PDSERVE_BATCH_INVARIANT leaves engines in the default mode."""
     try:
         extension()
     except Exception as error:  # a missing compiler, an unsupported platform
-        log.warning("attention: the cpu_paged kernel is unavailable (%s); using torch_sdpa", error)
+        log.warning("attention: the cpu_paged kernel is unavailable (%s)", error)
         return False
     return True
 
