@@ -61,11 +61,10 @@ def available() -> bool:
 @dataclass
 class PagedStep:
     slot_mapping: torch.Tensor  # [N] slot each new token's K/V is written to
-    tables: torch.Tensor  # [T, MB] int32, one row per sequence of the step, 0-padded
+    tables: torch.Tensor  # [T, MB] int32: row i is sequence i's block table, 0-padded
     seq_rows: torch.Tensor  # [T] int64: each sequence's first row in the flat batch
     seq_positions: torch.Tensor  # [T] int64: the position of that row
     seq_lengths: torch.Tensor  # [T] int64: its rows in the step
-    seq_table_rows: torch.Tensor  # [T] int64: its row of ``tables`` (arange: one table per sequence)
     block_size: int
     chunks: SdpaStep | None  # the prefill chunks left to SDPA (outside batch-invariant mode)
 
@@ -77,9 +76,8 @@ class PagedStep:
         q = q.contiguous()
         out = torch.empty_like(q)
         if len(self.seq_rows):
-            extension().paged_attention(out, q, k_cache, v_cache, self.tables, self.seq_table_rows, self.seq_rows,
-                                        self.seq_positions, self.seq_lengths, self.block_size, window or 0,
-                                        q.shape[-1] ** -0.5)
+            extension().paged_attention(out, q, k_cache, v_cache, self.tables, self.seq_rows, self.seq_positions,
+                                        self.seq_lengths, self.block_size, window or 0, q.shape[-1] ** -0.5)
         if self.chunks is not None:
             self.chunks.attend_chunks(q, k, v, k_cache, v_cache, window, out)
         return out
@@ -107,7 +105,7 @@ class PagedBackend:
         columns = torch.tensor([(s.flat_start, s.start_pos, s.num_tokens) for s in seqs], dtype=torch.int64)
         columns = columns.reshape(len(seqs), 3)
         return PagedStep(slot_mapping, tables, columns[:, 0].contiguous(), columns[:, 1].contiguous(),
-                         columns[:, 2].contiguous(), torch.arange(len(seqs), dtype=torch.int64), block_size, chunks)
+                         columns[:, 2].contiguous(), block_size, chunks)
 
 
 def backend(all_rows: bool = False) -> PagedBackend:

@@ -67,13 +67,13 @@ struct Task {
 template <typename scalar_t>
 void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
                  const scalar_t* __restrict__ v_cache, scalar_t* __restrict__ out, const int32_t* __restrict__ tables,
-                 int64_t table_stride, const int64_t* __restrict__ group_table, const int64_t* __restrict__ group_row,
+                 int64_t table_stride, const int64_t* __restrict__ group_row,
                  const int64_t* __restrict__ group_pos, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                  int64_t block_size, int64_t window, float scale) {
   const int64_t group_size = num_heads / num_kv_heads;
   const int64_t rows = task.count * group_size;  // query rows: (query position, head of the group)
   const int64_t slot_stride = num_kv_heads * head_dim;
-  const int32_t* table = tables + group_table[task.group] * table_stride;
+  const int32_t* table = tables + task.group * table_stride;  // one table row per group
   const int64_t first_pos = group_pos[task.group] + task.first;
   const int64_t last_pos = first_pos + task.count - 1;
 
@@ -143,11 +143,11 @@ void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_
   }
 }
 
-// out, q: [N, Hq, D]; k_cache, v_cache: [S, Hkv, D] with S = blocks * block_size; tables: [T, MB] int32;
-// group_table / group_row / group_pos / group_len: [G] int64 — for each group of consecutive queries of one
-// sequence, its row of ``tables``, its first row of q, the position of that row, and its number of rows.
+// out, q: [N, Hq, D]; k_cache, v_cache: [S, Hkv, D] with S = blocks * block_size; tables: [G, MB] int32,
+// group g's block table in row g; group_row / group_pos / group_len: [G] int64 — for each group of
+// consecutive queries of one sequence, its first row of q, the position of that row, and its number of rows.
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor tables, torch::Tensor group_table, torch::Tensor group_row,
+                     torch::Tensor tables, torch::Tensor group_row,
                      torch::Tensor group_pos, torch::Tensor group_len, int64_t block_size, int64_t window,
                      double scale) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -179,7 +179,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t t = next++; t < num_tasks; t = next++)
         attend_task<scalar_t>(tasks[t], q_ptr, k_ptr, v_ptr, out_ptr, tables.data_ptr<int32_t>(), tables.size(1),
-                              group_table.data_ptr<int64_t>(), group_row.data_ptr<int64_t>(), positions, num_heads,
+                              group_row.data_ptr<int64_t>(), positions, num_heads,
                               num_kv_heads, head_dim, block_size, window, static_cast<float>(scale));
     });
   });
