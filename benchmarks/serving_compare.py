@@ -90,8 +90,8 @@ class EchoEngine:
     async def generate(self, request: GenerationRequest):
         yield Accepted(replica_id())  # as the engine servers do (deployments/liveness.py)
         n = request.params.max_new_tokens
-        for i in range(1, n + 1):
-            yield RequestOutput(request.request_id, [i], "x", i, i == n, LENGTH if i == n else None, 0)
+        for i in range(1, n + 1):  # one output per batch: an engine that keeps up with its reader
+            yield [RequestOutput(request.request_id, [i], "x", i, i == n, LENGTH if i == n else None, 0)]
 
 
 def counters(url: str) -> dict[str, float]:

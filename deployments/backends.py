@@ -1,6 +1,9 @@
 """How the ingress reaches the engines: colocated (one deployment) or disaggregated (P then D).
 
-Both yield the engine's RequestOutputs, one per token. When the caller stops iterating
+Both yield the engine's RequestOutputs, one per step per choice, as the engine made them: an
+engine server sends them in batches (every output since its last item, deployments/servers.py),
+one Ray Serve item and one wake-up here per batch, and ``_served`` unpacks them in order, so
+every layer above (migration, the dialects' writers) sees what it saw. When the caller stops iterating
 (a client went away), the call in flight is cancelled; Ray Serve cancels it in the replica,
 where leaving the engine's stream aborts the request and frees its blocks.
 """
@@ -138,9 +141,9 @@ class PDBackend:
 async def _served(call, stall_timeout_s: float, trace: RequestTrace | None, lease_s: float | None = None,
                   on_taken: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
     """A streaming engine call's outputs: its ``Accepted`` first (within ``lease_s`` when given:
-    KVLeaseExpired otherwise; ``on_taken`` then), then its items while it shows signs of life
-    (liveness.py). Its KV fetch and its engine's times go to ``trace``: a call that took P's KV
-    decodes, any other prefilled too."""
+    KVLeaseExpired otherwise; ``on_taken`` then), then the outputs of each batch it sends, in
+    order, while it shows signs of life (liveness.py). Its KV fetch and its engine's times go to
+    ``trace``: a call that took P's KV decodes, any other prefilled too."""
     async with aclosing(_cancel_on_exit(call)) as items:
         try:
             accepted = await asyncio.wait_for(anext(items), lease_s)
@@ -154,11 +157,12 @@ async def _served(call, stall_timeout_s: float, trace: RequestTrace | None, leas
                 if trace:
                     trace.record_kv(item)
                 continue
-            if trace and lease_s is None:
-                trace.record_prefill(item)
-            elif trace:
-                trace.record_decode(item)
-            yield item
+            for output in item:
+                if trace and lease_s is None:
+                    trace.record_prefill(output)
+                elif trace:
+                    trace.record_decode(output)
+                yield output
 
 
 async def _cancel_on_exit(responses) -> AsyncIterator[RequestOutput]:

@@ -95,11 +95,13 @@ class _StreamingServer(_EngineServer):
             yield item
 
     async def generate(self, request: GenerationRequest, pinned: str | None = None
-                       ) -> AsyncIterator[Accepted | Heartbeat | RequestOutput]:
+                       ) -> AsyncIterator[Accepted | Heartbeat | list[RequestOutput]]:
         """The whole request in this engine: colocated, or D prefilling locally (``pinned`` to
-        the D replica whose prefix hold it uses, deployments/routing.py)."""
+        the D replica whose prefix hold it uses, deployments/routing.py). Outputs go in batches,
+        every output made since the last item (AsyncEngine.generate_batches): one Ray Serve item
+        per wake-up of this replica's loop, not one per token."""
         lora = await self.loras.adapter(request.lora)
-        async for item in self._streamed(self.engine.generate(request, lora), pinned):
+        async for item in self._streamed(self.engine.generate_batches(request, lora), pinned):
             yield item
 
 
@@ -154,23 +156,24 @@ class DecodeServer(_StreamingServer):
         return DecodePlan(replica_id(), cached, self.engine.stats().kv_cache_usage)
 
     async def decode(self, request: GenerationRequest, reply: PrefillReply, pinned: str | None = None
-                     ) -> AsyncIterator[Accepted | Heartbeat | KVTransfer | RequestOutput]:
+                     ) -> AsyncIterator[Accepted | Heartbeat | KVTransfer | list[RequestOutput]]:
         """Take the request (``Accepted`` at once: the ingress's lease ends there), queue it in the
         engine without its KV, load the KV once the engine holds blocks for it (``KVWanted``), then
-        stream the tokens after the first. Yields the load's KVTransfer (for the request's trace)
-        before them. ``pinned``: the replica whose prefix P's KV continues."""
+        stream the tokens after the first, in batches (``generate``). Yields the load's KVTransfer
+        (for the request's trace) before them. ``pinned``: the replica whose prefix P's KV continues."""
         async for item in self._streamed(self._decoded(request, reply), pinned):
             yield item
 
     async def _decoded(self, request: GenerationRequest, reply: PrefillReply) -> AsyncIterator:
         lora = await self.loras.adapter(request.lora)
-        async for item in self.engine.decode(request, reply.handoff, lora):
-            if not isinstance(item, KVWanted):
-                yield item
-                continue
-            data, transfer = await self.kv.load(reply)
-            self.engine.receive_kv(request.request_id, data)
-            yield transfer
+        async for batch in self.engine.decode_batches(request, reply.handoff, lora):
+            outputs = [item for item in batch if not isinstance(item, KVWanted)]
+            if len(outputs) < len(batch):  # KVWanted: no token can precede it (they need the KV)
+                data, transfer = await self.kv.load(reply)
+                self.engine.receive_kv(request.request_id, data)
+                yield transfer
+            if outputs:
+                yield outputs
 
     def kv_transfers(self) -> dict:
         """Transfers into this replica so far: count, bytes, seconds."""

@@ -2,16 +2,23 @@
 
 Servers call ``generate``/``prefill``/``decode`` from their event loop. A request is
 validated there (bad input raises ValueError at once), handed to the engine thread
-through a queue, and its outputs come back through an ``asyncio.Queue`` fed with
-``call_soon_threadsafe``: the event loop never waits on the model. Leaving a stream early
-(the client went away, the task was cancelled) aborts the request and frees its blocks.
+through a queue, and its outputs come back through its ``_Outbox``: the event loop never
+waits on the model. Leaving a stream early (the client went away, the task was cancelled)
+aborts the request and frees its blocks.
+
+Outputs coalesce at the source: the engine thread appends each step's output to the stream's
+outbox, and wakes a caller's loop once per step (one ``call_soon_threadsafe`` for all its
+streams), only for the streams whose outbox was empty. A caller that is behind takes every
+output made since it last took, in order, as one batch (``generate_batches``): a server sends
+one item per wake-up, not one per token, and each output stays as the engine made it (its
+tokens, text, logprobs), so what reaches a client is token for token what it was.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import logging
 import queue
 import threading
@@ -56,12 +63,24 @@ class EngineStats:
         return self.blocks_used / self.blocks_total
 
 
+@dataclass
+class _Outbox:
+    """One caller's stream: what the engine thread has delivered and the caller not yet taken.
+    ``pending`` is guarded by the engine's lock; ``ready`` lives on the caller's loop and is set
+    there (``_wake_loop``) when ``pending`` goes from empty to not."""
+
+    loop: asyncio.AbstractEventLoop
+    pending: list = field(default_factory=list)  # RequestOutput | KVWanted | Exception, in delivery order
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Outbox] = {}
+        self._to_wake: list[_Outbox] = []  # engine thread: outboxes that became non-empty since the last flush
         self._lock = threading.Lock()
         self._stopped = False
         self._finished: collections.Counter[str] = collections.Counter()
@@ -75,14 +94,24 @@ class AsyncEngine:
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one has ``finished=True``. ``lora``: the weights
         of the adapter the request names, in each of these calls."""
-        async for output in self._submit(request, Mode.GENERATE, None, lora):
-            yield output
+        async for batch in self.generate_batches(request, lora):
+            for output in batch:
+                yield output
+
+    async def generate_batches(self, request: GenerationRequest, lora: LoraAdapter | None = None
+                               ) -> AsyncIterator[list[RequestOutput]]:
+        """``generate``'s outputs, as batches: each holds every output made since the caller took
+        the last (one per step per choice, in order), so a caller that is behind catches up in one
+        wake-up. Never empty."""
+        async for batch in self._submit(request, Mode.GENERATE, None, lora):
+            yield batch
 
     async def prefill(self, request: GenerationRequest, kv_export_start: int = 0, lora: LoraAdapter | None = None
                       ) -> list[RequestOutput]:
         """Run the prompt; one output per choice, by index: ``finished``, or carrying ``prefill``
         (the same result for every choice that goes on to decode)."""
-        outputs = [output async for output in self._submit(request, Mode.PREFILL, None, lora, kv_export_start)]
+        outputs = [output async for batch in self._submit(request, Mode.PREFILL, None, lora, kv_export_start)
+                   for output in batch]
         return sorted(outputs, key=lambda output: output.index)
 
     async def decode(self, request: GenerationRequest, prefill: PrefillResult, lora: LoraAdapter | None = None
@@ -90,8 +119,15 @@ class AsyncEngine:
         """Import P's KV and stream the tokens after the first. When ``prefill.kv.data`` is None,
         the first item is a ``KVWanted``, once the request holds blocks for the KV: fetch the
         bytes then and hand them over with ``receive_kv``."""
-        async for output in self._submit(request, Mode.DECODE, prefill, lora):
-            yield output
+        async for batch in self.decode_batches(request, prefill, lora):
+            for output in batch:
+                yield output
+
+    async def decode_batches(self, request: GenerationRequest, prefill: PrefillResult,
+                             lora: LoraAdapter | None = None) -> AsyncIterator[list[RequestOutput | KVWanted]]:
+        """``decode``'s items, as batches (``generate_batches``); a ``KVWanted`` may share one."""
+        async for batch in self._submit(request, Mode.DECODE, prefill, lora):
+            yield batch
 
     async def hold_prefix(self, request: GenerationRequest, lora: LoraAdapter | None, hold_s: float) -> int:
         """The leading tokens of ``request``'s prompt that this engine's prefix cache holds, kept
@@ -142,14 +178,15 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     async def _submit(self, request: GenerationRequest, mode: Mode, prefill: PrefillResult | None,
-                      lora: LoraAdapter | None, kv_export_start: int = 0) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until every choice has ended (or, PREFILL, gone on to D)."""
+                      lora: LoraAdapter | None, kv_export_start: int = 0) -> AsyncIterator[list]:
+        """The request's outputs, in batches, until every choice has ended (or, PREFILL, gone on
+        to D). An engine failure is raised after the outputs delivered before it."""
         self.engine.validate(request, mode, prefill, lora)
-        outputs: asyncio.Queue = asyncio.Queue()
+        outbox = _Outbox(asyncio.get_running_loop())
         with self._lock:
             if request.request_id in self._streams:
                 raise ValueError(f"request_id: {request.request_id!r} is already running")
-            self._streams[request.request_id] = (asyncio.get_running_loop(), outputs)
+            self._streams[request.request_id] = outbox
         self._commands.put(("add", request, mode, prefill, kv_export_start, lora))
         self._wake.set()
         remaining = {c.index for c in prefill.choices} if prefill is not None else set(range(request.n))
@@ -158,22 +195,34 @@ class AsyncEngine:
         done = False
         try:
             while not done:
-                output = await outputs.get()
-                if isinstance(output, Exception):
+                batch = await self._take(outbox)
+                error = next((i for i, item in enumerate(batch) if isinstance(item, Exception)), None)
+                if error is not None:
                     done = True
-                    raise output
-                if isinstance(output, KVWanted):
-                    yield output
-                    continue
-                if output.finished or output.prefill is not None:
-                    remaining.discard(output.index)
+                    if error:
+                        yield batch[:error]
+                    raise batch[error]
+                for output in batch:
+                    if isinstance(output, RequestOutput) and (output.finished or output.prefill is not None):
+                        remaining.discard(output.index)
                 done = not remaining
-                yield output
+                yield batch
         finally:
             with self._lock:
                 self._streams.pop(request.request_id, None)
             if not done:
                 self.abort(request.request_id)
+
+    async def _take(self, outbox: _Outbox) -> list:
+        """Everything delivered to ``outbox`` and not taken yet (waits for one item). Taking and
+        clearing ``ready`` happen with no await between: a delivery after the take sets it again."""
+        while True:
+            with self._lock:
+                batch, outbox.pending = outbox.pending, []
+            outbox.ready.clear()
+            if batch:
+                return batch
+            await outbox.ready.wait()
 
     # ---- the engine thread -------------------------------------------------------------
 
@@ -184,20 +233,26 @@ class AsyncEngine:
                 polls = self.engine.scheduler.receiving or len(self.engine.holds)
                 self._wake.wait(RECEIVING_POLL_S if polls else None)
             self._wake.clear()
-            self._drain_commands()
             try:
-                outputs = self.engine.step()
-            except Exception as error:  # keep serving: fail the running requests, not the server
-                logger.exception("engine step failed")
-                self._fail_all(error)
-                continue
-            # Stats first: a caller that has its request's last output sees the engine without it.
-            self._finished.update(output.finish_reason for output in outputs if output.finished)
-            self._stats = self._snapshot()
-            for output in outputs:
-                self._deliver(output.request_id, output)
-            for request_id in self.engine.take_kv_wanted():
-                self._deliver(request_id, KVWanted(request_id))
+                self._drain_commands()
+                self._step()
+            finally:
+                self._flush()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # keep serving: fail the running requests, not the server
+            logger.exception("engine step failed")
+            self._fail_all(error)
+            return
+        # Stats first: a caller that has its request's last output sees the engine without it.
+        self._finished.update(output.finish_reason for output in outputs if output.finished)
+        self._stats = self._snapshot()
+        for output in outputs:
+            self._deliver(output.request_id, output)
+        for request_id in self.engine.take_kv_wanted():
+            self._deliver(request_id, KVWanted(request_id))
 
     def _drain_commands(self) -> None:
         while True:
@@ -231,11 +286,35 @@ class AsyncEngine:
             self._deliver(request_id, EngineError(f"engine step failed: {error}"))
 
     def _deliver(self, request_id: str, item) -> None:
+        """Add ``item`` to its stream's outbox; the caller is woken at the next ``_flush``, unless
+        it has not taken the outbox's earlier items yet (then it takes this one with them)."""
         with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, outputs = stream
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            outbox = self._streams.get(request_id)
+            if outbox is None:
+                return
+            outbox.pending.append(item)
+            if len(outbox.pending) == 1:
+                self._to_wake.append(outbox)
+
+    def _flush(self) -> None:
+        """Wake the callers of this turn's deliveries: one call into each caller's loop."""
+        if not self._to_wake:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Outbox]] = {}
+        for outbox in self._to_wake:
+            by_loop.setdefault(outbox.loop, []).append(outbox)
+        self._to_wake = []
+        for loop, outboxes in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_wake_loop, outboxes)
+            except RuntimeError:  # that caller's loop has closed: nobody is left to read
+                pass
+
+
+def _wake_loop(outboxes: list[_Outbox]) -> None:
+    """On a caller's loop: mark each outbox ready to take."""
+    for outbox in outboxes:
+        outbox.ready.set()
 
 
 def _settle(future: asyncio.Future, result) -> None:

@@ -417,3 +417,50 @@ def test_lora_fields_need_an_app_with_enable_lora(base_url):
         "max_new_tokens": 2, "lora_task_id": 3}}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "parameters.lora_task_id"
     assert "enable_lora" in response.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_streams_at_once_in_both_dialects_carry_the_engines_tokens(base_url, reference_engine):
+    """Many streams at once, so that replicas fall behind their engines and send batches of outputs
+    (the batching itself: tests/test_stream_coalescing.py): MindIE's streams still carry one event
+    per token, OpenAI's completions with n=2 and logprobs are cut by a stop string, and every
+    stream's tokens, text and counts are one engine's."""
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = reference_engine.generate([GenerationRequest("plain", PROMPTS[1], greedy)])["plain"].text
+    stop = plain[len(plain) // 2: len(plain) // 2 + 2]
+    cut = reference_engine.generate([GenerationRequest("cut", PROMPTS[1], SamplingParams(
+        max_new_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop], logprobs=1))])["cut"]
+    assert cut.finish_reason == "stop_sequence" and 1 < cut.num_output_tokens < 16
+    mindie = reference_engine.generate([GenerationRequest(str(i), p, SamplingParams(
+        max_new_tokens=24, temperature=0.0, ignore_eos=True)) for i, p in enumerate(PROMPTS)])
+
+    def infer_token(app: str, i: int) -> None:
+        events = infer(base_url, app, PROMPTS[i], stream=True, max_new_tokens=24, do_sample=False, ignore_eos=True)
+        assert stream_tokens(events) == mindie[str(i)].output_token_ids  # one event per token
+        assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"] == mindie[str(i)].text
+        assert events[-1]["details"]["generated_tokens"] == 24
+
+    def completions(app: str) -> None:
+        c = openai.OpenAI(base_url=f"{base_url}/{app}/v1", api_key="unused", max_retries=0)
+        chunks = list(c.completions.create(model="tiny-llama", prompt=PROMPTS[1], max_tokens=16, n=2, temperature=0,
+                                           logprobs=1, stop=[stop], stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        texts, tokens, reasons = {0: "", 1: ""}, {0: 0, 1: 0}, {}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                tokens[choice.index] += len(choice.logprobs.tokens) if choice.logprobs else 0
+                if choice.finish_reason:
+                    reasons[choice.index] = choice.finish_reason
+        assert texts == {0: cut.text, 1: cut.text} and reasons == {0: "stop", 1: "stop"}
+        assert tokens == {0: cut.num_output_tokens, 1: cut.num_output_tokens}
+        assert chunks[-1].usage.completion_tokens == 2 * cut.num_output_tokens
+
+    with ThreadPoolExecutor(16) as pool:
+        calls = [pool.submit(infer_token, app, i) for app in ("pd", "co") for i in range(len(PROMPTS)) for _ in (0, 1)]
+        calls += [pool.submit(completions, app) for app in ("pd", "co") for _ in (0, 1)]
+        for call in calls:
+            call.result()
