@@ -49,10 +49,12 @@ def test_cpu_paged_equals_the_reference(dtype, tolerance, heads, window, kind, b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_is_the_same_whatever_the_step_around_it(dtype):
+@pytest.mark.parametrize("d", [64, 40], ids=["fixed-size-path", "any-size-path"])
+def test_a_row_is_the_same_whatever_the_step_around_it(dtype, d):
     """The kernel's promise to the batch-invariant mode: a query row's bits do not depend on the
-    other rows of its step, nor on whether its position comes in a prefill chunk or as a decode."""
-    block_size, d = 16, 64
+    other rows of its step, nor on whether its position comes in a prefill chunk or as a decode.
+    Head dim 64 takes the kernel's compiled-size path, 40 the one with sizes read at run time."""
+    block_size = 16
     generator = torch.Generator().manual_seed(2)
     seqs, slots = step([(0, 90)], block_size)
     table = seqs[0].block_table
@@ -60,6 +62,8 @@ def test_a_row_is_the_same_whatever_the_step_around_it(dtype):
     caches = [torch.zeros(256 * block_size, 3, d, dtype=dtype) for _ in range(2)]
     backend = cpu_paged.backend(all_rows=True)
     whole, k_cache, v_cache = attend(backend, seqs, slots, q, k, v, caches, None, block_size)
+    reference, _, _ = attend(torch_sdpa.BACKEND, seqs, slots, q, k, v, caches, None, block_size)
+    torch.testing.assert_close(whole.float(), reference.float(), atol=2e-2, rtol=2e-2)
     for start, n in [(0, 7), (7, 57), (64, 1), (65, 25)]:  # chunks of 7, 57, a decode, 25: the same bits
         chunk = [AttentionSeq(0, n, start, table), AttentionSeq(n, 3, 5, table)]  # beside another sequence
         rows = slice(start, start + n)
@@ -70,7 +74,8 @@ def test_a_row_is_the_same_whatever_the_step_around_it(dtype):
 
 
 def test_backend_choice():
-    assert select_backend("auto", CPU, torch.float32).name == "torch_sdpa"  # measured the faster
+    auto = select_backend("auto", CPU, torch.float32)
+    assert auto.name == "cpu_paged" and not auto.all_rows  # measured the faster; prefill chunks on flash SDPA
     assert not select_backend("cpu_paged", CPU, torch.float32).all_rows  # prefill chunks on flash SDPA
     assert select_backend("auto", CPU, torch.bfloat16, batch_invariant=True).all_rows
     assert select_backend("auto", CPU, torch.float64).name == "torch_sdpa"  # the kernel takes no float64

@@ -15,9 +15,9 @@ Backends (one file each):
   fixed reduction order over keys (batch- and chunking-invariant). CPU; float32, bfloat16,
   float16. It takes the decodes, and in batch-invariant mode the prefill chunks too (otherwise
   they go to torch's flash SDPA, faster on long query blocks).
-``auto`` picks ``torch_sdpa``, and ``cpu_paged`` in batch-invariant mode: measured on a quiet
-2-core run, the kernel's decodes are no faster than the reference's (0.95x at 32 x 2,048) and
-the engine ran 454 tok/s on the reference against 407 on the kernel (benchmarks/RESULTS.md).
+``auto`` picks ``cpu_paged`` wherever it runs (a CPU, one of its dtypes, the kernel built), else
+``torch_sdpa``: on a 32 x 2,048-token decode step the kernel takes a fifth of the reference's time
+(the reference copies every block into a padded gather first; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -70,17 +70,19 @@ def batch_invariant_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype,
                    batch_invariant: bool = False) -> AttentionBackend:
-    """The backend called ``name``; for "auto", torch_sdpa (measured the faster), or with
-    ``batch_invariant`` the one whose order over keys is fixed: cpu_paged."""
+    """The backend called ``name``; for "auto", cpu_paged where it runs (the faster), else
+    torch_sdpa. ``batch_invariant`` needs the one whose order over keys is fixed: cpu_paged, on every row."""
     from engine.execution.attention import cpu_paged, torch_sdpa
 
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     if name == "torch_sdpa":
         return torch_sdpa.BACKEND
-    if name == "cpu_paged" or batch_invariant:
-        if not (device.type == "cpu" and dtype in cpu_paged.DTYPES):
-            raise ValueError(f"attention_backend: cpu_paged (which batch_invariant needs) runs on the CPU in "
-                             f"{', '.join(str(d) for d in cpu_paged.DTYPES)}, not on {device} in {dtype}")
-        return cpu_paged.backend(all_rows=batch_invariant)
-    return torch_sdpa.BACKEND
+    if name == "auto" and not batch_invariant:
+        runs = device.type == "cpu" and dtype in cpu_paged.DTYPES and cpu_paged.available()
+        return cpu_paged.backend(all_rows=False) if runs else torch_sdpa.BACKEND
+    # cpu_paged, by name or because batch invariance needs it
+    if not (device.type == "cpu" and dtype in cpu_paged.DTYPES):
+        raise ValueError(f"attention_backend: cpu_paged (which batch_invariant needs) runs on the CPU in "
+                         f"{', '.join(str(d) for d in cpu_paged.DTYPES)}, not on {device} in {dtype}")
+    return cpu_paged.backend(all_rows=batch_invariant)

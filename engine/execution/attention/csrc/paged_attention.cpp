@@ -25,12 +25,18 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 constexpr int kMaxBlock = 64;   // largest block_size the kernel takes
 constexpr int kQueryTile = 16;  // query positions per task: they share each K/V block they read
+constexpr int kRowTile = 4;     // query rows scored together against a block's keys
 
 // exp(x) for x <= 0 (softmax arguments), to ~1 ulp: 2^n * 2^f with f in [-0.5, 0.5] and a degree-7
 // polynomial. Plain code the compiler vectorizes; the same code runs for every row.
@@ -57,6 +63,69 @@ inline float max_of(float a, float b) { return a > b ? a : b; }  // no NaN reach
 template <typename scalar_t>
 inline float to_float(scalar_t v) { return static_cast<float>(v); }
 
+#if defined(__AVX512F__)
+// 16 consecutive values as floats in one register (bf16: the bits shifted up; fp16: converted exactly).
+template <typename scalar_t>
+inline __m512 load16(const scalar_t* src) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm512_loadu_ps(src);
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  }
+}
+
+// r[i] holds row i of a 16 x 16 tile; afterwards r[i] holds column i.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+#endif
+
+// keys_t[d * block_size + j] = float(k[j * stride + d]) for j < block_size, d < head_dim: a block's
+// keys with the head dim outermost, so that a score's chain over d runs across 16 keys at once.
+// Pure data movement: every path gives the same floats.
+template <typename scalar_t>
+void transpose_keys(const scalar_t* __restrict__ k, int64_t stride, int64_t block_size, int64_t head_dim,
+                    float* __restrict__ keys_t) {
+#if defined(__AVX512F__)
+  if (block_size == 16 && head_dim % 16 == 0) {
+    __m512 tile[16];
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+      for (int j = 0; j < 16; ++j) tile[j] = load16(k + j * stride + d0);
+      transpose16(tile);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(keys_t + (d0 + i) * 16, tile[i]);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < block_size; ++j)
+    for (int64_t d = 0; d < head_dim; ++d) keys_t[d * block_size + j] = to_float(k[j * stride + d]);
+}
+
 struct Task {
   int64_t group;
   int64_t first;  // first query of the group in this task
@@ -64,22 +133,30 @@ struct Task {
   int64_t head;   // kv head
 };
 
-template <typename scalar_t>
+// kBlock, kHeadDim: the block size and head dim fixed at compile time for the common shapes (0: read
+// from the arguments). Fixed trip counts let the compiler keep a row tile's scores and a row's
+// accumulator in registers; the operations and their order are the same either way.
+template <typename scalar_t, int kBlock, int kHeadDim>
 void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
                  const scalar_t* __restrict__ v_cache, scalar_t* __restrict__ out, const int32_t* __restrict__ tables,
                  int64_t table_stride, const int64_t* __restrict__ group_row,
-                 const int64_t* __restrict__ group_pos, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                 int64_t block_size, int64_t window, float scale) {
+                 const int64_t* __restrict__ group_pos, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim_arg,
+                 int64_t block_size_arg, int64_t window, float scale) {
+  const int64_t block_size = kBlock ? kBlock : block_size_arg;
+  const int64_t head_dim = kHeadDim ? kHeadDim : head_dim_arg;
   const int64_t group_size = num_heads / num_kv_heads;
   const int64_t rows = task.count * group_size;  // query rows: (query position, head of the group)
+  const int64_t tiled_rows = (rows + kRowTile - 1) / kRowTile * kRowTile;  // the last tile padded with zero rows
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int32_t* table = tables + task.group * table_stride;  // one table row per group
   const int64_t first_pos = group_pos[task.group] + task.first;
   const int64_t last_pos = first_pos + task.count - 1;
 
-  std::vector<float> query(rows * head_dim), acc(rows * head_dim, 0.0f);  // [rows, D]
+  std::vector<float> query(tiled_rows * head_dim, 0.0f), acc(rows * head_dim, 0.0f);  // [rows, D]
   std::vector<float> running_max(rows, -std::numeric_limits<float>::infinity()), running_sum(rows, 0.0f);
-  std::vector<float> keys_t(head_dim * block_size), values(block_size * head_dim);  // [D, B], [B, D]
+  std::vector<float> scores(tiled_rows * block_size);  // [rows, B] this block's scores
+  // [D, B] keys transposed; [B, D] values as floats (unused in float32, read in place)
+  std::vector<float> keys_t(head_dim * block_size), values(std::is_same_v<scalar_t, float> ? 0 : block_size * head_dim);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t token = group_row[task.group] + task.first + r / group_size;
     const int64_t head = task.head * group_size + r % group_size;
@@ -88,17 +165,39 @@ void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_
   }
 
   const int64_t lowest_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-  float scores[kMaxBlock], probs[kMaxBlock];
+  float probs[kMaxBlock];
   for (int64_t block = lowest_key / block_size; block <= last_pos / block_size; ++block) {
     const int64_t block_start = block * block_size;
     const int64_t base = static_cast<int64_t>(table[block]) * block_size * slot_stride + task.head * head_dim;
-    for (int64_t j = 0; j < block_size; ++j) {
-      const scalar_t* k_row = k_cache + base + j * slot_stride;
-      const scalar_t* v_row = v_cache + base + j * slot_stride;
-      for (int64_t d = 0; d < head_dim; ++d) {
-        keys_t[d * block_size + j] = to_float(k_row[d]);
-        values[j * head_dim + d] = to_float(v_row[d]);
+    transpose_keys(k_cache + base, slot_stride, block_size, head_dim, keys_t.data());
+    // Row j of the block's values, as floats: read in place in float32, converted once per block otherwise.
+    const float* block_values;
+    int64_t values_stride;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      block_values = v_cache + base;
+      values_stride = slot_stride;
+    } else {
+      for (int64_t j = 0; j < block_size; ++j) {
+        const scalar_t* v_row = v_cache + base + j * slot_stride;
+        for (int64_t d = 0; d < head_dim; ++d) values[j * head_dim + d] = to_float(v_row[d]);
       }
+      block_values = values.data();
+      values_stride = head_dim;
+    }
+    // Every row's score against every key of the block, kRowTile rows at a time (independent chains
+    // that keep the FMA units busy); a score is a chain of FMAs over d = 0..D-1. Keys a row may not
+    // see are scored too and then ignored.
+    for (int64_t r0 = 0; r0 < tiled_rows; r0 += kRowTile) {
+      float tile[kRowTile][kBlock ? kBlock : kMaxBlock] = {};
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const float* kd = &keys_t[d * block_size];
+        for (int rr = 0; rr < kRowTile; ++rr) {
+          const float qd = query[(r0 + rr) * head_dim + d];
+          for (int64_t j = 0; j < block_size; ++j) tile[rr][j] = std::fma(qd, kd[j], tile[rr][j]);
+        }
+      }
+      for (int rr = 0; rr < kRowTile; ++rr)
+        for (int64_t j = 0; j < block_size; ++j) scores[(r0 + rr) * block_size + j] = tile[rr][j];
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = first_pos + r / group_size;
@@ -106,22 +205,16 @@ void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_
       const int64_t lo = std::max<int64_t>(first_key - block_start, 0);
       const int64_t hi = std::min<int64_t>(pos - block_start + 1, block_size);  // visible keys: [lo, hi)
       if (lo >= hi) continue;  // the row sees nothing in this block
-      const float* qr = &query[r * head_dim];
-      for (int64_t j = 0; j < block_size; ++j) scores[j] = 0.0f;
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const float qd = qr[d];
-        const float* kd = &keys_t[d * block_size];
-        for (int64_t j = 0; j < block_size; ++j) scores[j] = std::fma(qd, kd[j], scores[j]);
-      }
+      float* sr = &scores[r * block_size];
       float block_max = -std::numeric_limits<float>::infinity();
       for (int64_t j = lo; j < hi; ++j) {
-        scores[j] *= scale;
-        block_max = max_of(block_max, scores[j]);
+        sr[j] *= scale;
+        block_max = max_of(block_max, sr[j]);
       }
       const float new_max = max_of(running_max[r], block_max);
       const float rescale = exp_nonpositive(running_max[r] - new_max);  // 0 on the row's first block
       running_max[r] = new_max;
-      for (int64_t j = lo; j < hi; ++j) probs[j] = exp_nonpositive(scores[j] - new_max);
+      for (int64_t j = lo; j < hi; ++j) probs[j] = exp_nonpositive(sr[j] - new_max);
       float block_sum = 0.0f;
       for (int64_t j = lo; j < hi; ++j) block_sum += probs[j];
       running_sum[r] = std::fma(running_sum[r], rescale, block_sum);
@@ -129,7 +222,7 @@ void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_
       for (int64_t d = 0; d < head_dim; ++d) ar[d] *= rescale;
       for (int64_t j = lo; j < hi; ++j) {
         const float p = probs[j];
-        const float* vj = &values[j * head_dim];
+        const float* vj = block_values + j * values_stride;
         for (int64_t d = 0; d < head_dim; ++d) ar[d] = std::fma(p, vj[d], ar[d]);
       }
     }
@@ -177,10 +270,14 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     auto* out_ptr = out.data_ptr<scalar_t>();
     const int64_t num_tasks = static_cast<int64_t>(tasks.size());
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      // The common shapes compiled with fixed sizes (see attend_task), any other with sizes read at run time.
+      auto task_fn = &attend_task<scalar_t, 0, 0>;
+      if (block_size == 16 && head_dim == 64) task_fn = &attend_task<scalar_t, 16, 64>;
+      if (block_size == 16 && head_dim == 128) task_fn = &attend_task<scalar_t, 16, 128>;
       for (int64_t t = next++; t < num_tasks; t = next++)
-        attend_task<scalar_t>(tasks[t], q_ptr, k_ptr, v_ptr, out_ptr, tables.data_ptr<int32_t>(), tables.size(1),
-                              group_row.data_ptr<int64_t>(), positions, num_heads,
-                              num_kv_heads, head_dim, block_size, window, static_cast<float>(scale));
+        task_fn(tasks[t], q_ptr, k_ptr, v_ptr, out_ptr, tables.data_ptr<int32_t>(), tables.size(1),
+                group_row.data_ptr<int64_t>(), positions, num_heads,
+                num_kv_heads, head_dim, block_size, window, static_cast<float>(scale));
     });
   });
 }
