@@ -20,3 +20,12 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny random model directory per supported architecture."""
     root = tmp_path_factory.mktemp("models")
     return {arch: make_random_model(root / arch, arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_ray_stops_at_the_end():
+    """The suite's shared Ray + Serve (tests/serving.py) is shut down when the session ends."""
+    yield
+    from tests.serving import stop_shared_session
+
+    stop_shared_session()

@@ -20,33 +20,113 @@ def free_port() -> int:
 
 
 PROXY_START_ATTEMPTS = 3  # a free port can be taken before the proxy binds it: pick another
+SUITE_CPUS = 16  # logical CPUs of the suite's shared Ray: room for the largest module's apps beside the kept ones
+
+# The suite's one Ray + Serve, shared by every module that needs no Ray of its own: starting Ray and
+# Serve costs ~15 s a module on two cores. Started by the first module that asks, stopped at the end
+# of the session (tests/conftest.py) or when a module starts a Ray of its own (two Rays on one machine
+# collide). "kept" are the applications deployed once for several modules (``kept_app``).
+_shared: dict = {"url": None, "kept": set()}
 
 
 @contextlib.contextmanager
-def serve_session(num_cpus: int = 8, address: str | None = None):
-    """Ray (a fresh local instance, or ``address``) and Serve's HTTP proxy on a free loopback port.
-    Yields the base URL; shuts both down afterwards, also when the start fails."""
-    import ray
+def serve_session(num_cpus: int | None = None, address: str | None = None):
+    """Ray and Serve's HTTP proxy on a free loopback port; yields the base URL.
+
+    With no arguments: the suite's shared Ray + Serve; the applications deployed inside the block
+    (but kept ones) are deleted on the way out, so the next module finds only the kept ones. With
+    ``num_cpus`` or ``address`` (a fresh local instance of that size, or that cluster): a Ray of its
+    own, shut down afterwards, also when the start fails."""
     from ray import serve
+
+    if num_cpus is None and address is None:
+        url = shared_url()
+        before = set(serve.status().applications)
+        try:
+            yield url
+        finally:
+            for name in set(serve.status().applications) - before - _shared["kept"]:
+                serve.delete(name)
+        return
+    stop_shared_session()
+    try:
+        yield _start_ray_and_serve(num_cpus or 8, address)
+    finally:
+        _stop_ray_and_serve()
+
+
+def kept_app(name: str, build) -> str:
+    """The shared session's application ``name`` (route prefix "/<name>"), deployed by ``build()``
+    the first time a module asks and kept for the next ones; returns its base URL."""
+    from ray import serve
+
+    url = shared_url()
+    if name not in _shared["kept"]:
+        serve.run(build(), name=name, route_prefix=f"/{name}")
+        _shared["kept"].add(name)
+    return f"{url}/{name}"
+
+
+# The agent-era dialects' app (Responses, Messages), kept across their modules: PD in float32 (exact
+# greedy answers to compare with chat's), no embedder, every prompt through P. max_iter_times: a call
+# with an enum argument takes ~40 of tiny-llama's tokens.
+AGENT_APP_CAP = 96
+AGENT_APP_ARGS = {"torch_threads": 1, "max_iter_times": AGENT_APP_CAP, "dtype": "float32", "embeddings": False,
+                  "pd_local_prefill_tokens": 0}
+
+
+def shared_url() -> str:
+    """The base URL of the suite's shared Ray + Serve, started now if it does not run."""
+    if _shared["url"] is None:
+        _shared["url"] = _start_ray_and_serve(SUITE_CPUS, None)
+    return _shared["url"]
+
+
+def stop_shared_session() -> None:
+    """Shut the suite's shared Ray + Serve down, if it runs (a module about to start its own, or the end)."""
+    if _shared["url"] is not None:
+        _shared["url"] = None
+        _shared["kept"].clear()
+        _stop_ray_and_serve()
+
+
+def _start_ray_and_serve(num_cpus: int, address: str | None) -> str:
+    import ray
 
     if address is None:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=address, log_to_driver=False)
     try:
-        for attempt in range(PROXY_START_ATTEMPTS):
-            port = free_port()  # after Ray's own processes have taken theirs
-            try:
-                serve.start(http_options={"host": "127.0.0.1", "port": port})
-                break
-            except ray.exceptions.RayTaskError as error:
-                serve.shutdown()
-                if "Failed to bind" not in str(error) or attempt == PROXY_START_ATTEMPTS - 1:
-                    raise
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        return _start_proxy()
+    except BaseException:
+        _stop_ray_and_serve()
+        raise
+
+
+def _start_proxy() -> str:
+    """Serve's HTTP proxy on a free loopback port; another port when this one was taken first."""
+    import ray
+    from ray import serve
+
+    for attempt in range(1, PROXY_START_ATTEMPTS + 1):
+        port = free_port()  # after Ray's own processes have taken theirs
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return f"http://127.0.0.1:{port}"
+        except ray.exceptions.RayTaskError as error:
+            serve.shutdown()
+            if "Failed to bind" not in str(error) or attempt == PROXY_START_ATTEMPTS:
+                raise
+    raise AssertionError("the last attempt returns or raises")
+
+
+def _stop_ray_and_serve() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
 
 
 # What a client must never see: Ray's names and texts, process ids, addresses, tracebacks.

@@ -15,14 +15,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from ray import serve
 
 from deployments.app import pd_app
-from tests.serving import serve_session
+from tests.serving import AGENT_APP_ARGS, AGENT_APP_CAP, kept_app
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"
-CAP = 96  # max_iter_times: a call with an enum argument takes ~40 of tiny-llama's tokens
+CAP = AGENT_APP_CAP  # max_iter_times of the agents app
 CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
                "required": ["city"], "additionalProperties": False}
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -31,10 +30,7 @@ WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The w
 
 @pytest.fixture(scope="module")
 def base_url():
-    with serve_session() as url:
-        serve.run(pd_app({"torch_threads": 1, "max_iter_times": CAP, "dtype": "float32", "embeddings": False,
-                          "pd_local_prefill_tokens": 0}), name="pd", route_prefix="/")
-        yield url
+    return kept_app("agents", lambda: pd_app(AGENT_APP_ARGS))
 
 
 def client(base_url) -> openai.OpenAI:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.models import make_random_model
-from tests.serving import wait_until
+from tests.serving import stop_shared_session, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -25,6 +25,12 @@ URL = "http://127.0.0.1:8000"
 START_LIMIT_S = 300  # the longest a start may take here before the test fails (2 cores, Ray's own start included)
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_other_ray():
+    """`serve run` starts a Ray of its own: the suite's shared one must not run beside it."""
+    stop_shared_session()
 
 
 def readme_serve_lines() -> list[str]:

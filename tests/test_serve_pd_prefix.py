@@ -29,7 +29,7 @@ APPS = {  # float64: reused and recomputed KV agree to the last bit, whatever th
 
 @pytest.fixture(scope="module")
 def base_url():
-    with serve_session(num_cpus=12) as url:
+    with serve_session() as url:
         for name, args in APPS.items():
             serve.run(pd_app({"torch_threads": 1, "embeddings": False, "dtype": "float64", **args}),
                       name=name, route_prefix=f"/{name}")
