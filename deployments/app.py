@@ -47,10 +47,11 @@ def pd_app(args: AppArgs | dict | None = None, prefill_options: dict | None = No
     options = dict(max_ongoing_requests=args.max_ongoing_requests)
     store = _lora_store(args)
     prefill = PrefillServer.options(**{**options, **(prefill_options or {})})
-    prefill = prefill.bind(args.engine_config(prefill_model), store, args.max_loras)
+    prefill = prefill.bind(args.engine_config(prefill_model), store, args.max_loras, args.heartbeat_s,
+                           args.step_timeout_s)
     decode = DecodeServer.options(**{**options, **(decode_options or {})})
     decode_config = replace(args.engine_config(decode_model), first_token_from_prefill=True)
-    decode = decode.bind(decode_config, store, args.max_loras, args.heartbeat_s, args.kv_lease_s)
+    decode = decode.bind(decode_config, store, args.max_loras, args.heartbeat_s, args.step_timeout_s, args.kv_lease_s)
     return Ingress.bind(args, lora_store=store, prefill=prefill, decode=decode, embedder=_embedder(args))
 
 
@@ -60,7 +61,8 @@ def colocated_app(args: AppArgs | dict | None = None, llm_options: dict | None =
     resolve_model_dir(args.model)
     options = dict(max_ongoing_requests=args.max_ongoing_requests, **(llm_options or {}))
     store = _lora_store(args)
-    llm = LLMServer.options(**options).bind(args.engine_config(), store, args.max_loras, args.heartbeat_s)
+    llm = LLMServer.options(**options).bind(args.engine_config(), store, args.max_loras, args.heartbeat_s,
+                                            args.step_timeout_s)
     return Ingress.bind(args, lora_store=store, llm=llm, embedder=_embedder(args))
 
 

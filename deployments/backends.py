@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+import functools
 from contextlib import aclosing
 from typing import AsyncIterator, Callable
 
@@ -21,7 +22,7 @@ from deployments import routing
 from deployments.disaggregation import NO_PLAN, Decision, DisaggregationPolicy
 from deployments.failures import KVLeaseExpired
 from deployments.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
-from deployments.liveness import watched
+from deployments.liveness import taken_then_watched, watched
 from deployments.tracing import KVTransfer, RequestTrace
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
@@ -117,17 +118,20 @@ class PDBackend:
 
     async def prefill_step(self, request: GenerationRequest, kv_export_start: int = 0) -> PrefillReply:
         """P's reply, with the handle to its KV (owned here) from token ``kv_export_start`` on,
-        when D is to go on."""
+        when D is to go on. ReplicaStalled if P does not take the call, or stops sending heartbeats,
+        for ``stall_timeout_s``: the request is prefilled again elsewhere (deployments/migration.py)."""
         tokens = request.num_context_tokens - kv_export_start
         self.prefill_tokens_in_flight += tokens
         call = self.prefill.options(stream=True).prefill.remote(request, kv_export_start)
+        routed_to = functools.partial(routing.first_choice, request.request_id)
         try:
-            return await self.kv.claim(call)
-        except asyncio.CancelledError:
+            return await self.kv.claim(call, lambda items: taken_then_watched(items, self.stall_timeout_s, routed_to))
+        except BaseException:  # cancelled, or P stalled: a P that runs again drops the request
             call.cancel()
             raise
         finally:
             self.prefill_tokens_in_flight -= tokens
+            routing.first_choice(request.request_id)  # forgotten once answered
 
     def decode_step(self, request: GenerationRequest, reply: PrefillReply, trace: RequestTrace | None = None,
                     pinned: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -54,6 +54,9 @@ class AppArgs(BaseModel):
     stall_timeout_s: float = Field(5.0, gt=0, description="seconds without a token or a heartbeat after which "
                                    "the ingress takes a streaming replica for stalled and moves its request "
                                    "(deployments/liveness.py); the replica says it is alive 4 times as often")
+    step_timeout_s: float = Field(30.0, gt=0, description="the step watchdog: an engine step running longer "
+                                  "than this stops the replica's heartbeats (its streams move, as a stalled "
+                                  "replica's) and fails its health check (Serve replaces it)")
     pd_local_prefill_tokens: int = Field(
         256, ge=0, description="PD: prompts whose tokens not held by D are at most this many are computed on D "
         "(conditional disaggregation, docs/serving.md); 0: only prompts D holds whole")

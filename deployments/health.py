@@ -1,11 +1,15 @@
 """Readiness that tells the truth: a canary request through the engines, and each deployment's state.
 
-``/health`` is 200 only when a canary succeeded within the last ``FRESH_S`` seconds: a short
+``/health`` is 503 at once when a deployment has no live replica: each call reads the replicas'
+actors from Ray's registry of named actors (a replica killed leaves it within about a second;
+Serve's own status waits for its next health check, up to 10 s), at most every ``LIVE_CACHE_S``.
+Otherwise it is 200 only when a canary succeeded within the last ``FRESH_S`` seconds: a short
 prompt prefilled on P, its KV fetched and imported by D, a token decoded there (colocated: one
-prompt through the engine). Otherwise it runs one canary (one at a time; concurrent health
+prompt through the engine). Without one it runs one canary (one at a time; concurrent health
 checks share its result), bounded by ``CANARY_TIMEOUT_S``, and on failure answers 503 naming
 each deployment that is missing, pending or failing, and why, from Ray Serve's own status
-(which names the resources a replica that cannot be placed asked for).
+(which names the resources a replica that cannot be placed asked for). However often ``/health``
+is polled, canaries run at most once per ``FRESH_S`` while they succeed.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import logging
 import time
 import uuid
 
+import ray
 from ray import serve
 
+from deployments import routing
 from deployments.backends import PDBackend
 from deployments.failures import REPLICA_FAILURES, root_cause
 from engine.request import PRIORITY_MIN, GenerationRequest
@@ -28,6 +34,7 @@ logger = logging.getLogger("ray.serve." + __name__)  # Serve's handlers add the 
 FRESH_S = 10.0  # a canary younger than this answers /health without a new one
 CANARY_TIMEOUT_S = 5.0
 STATUS_TIMEOUT_S = 2.0
+LIVE_CACHE_S = 0.5  # /health reads the live replicas at most this often: one registry call, whatever the polling
 CANARY_PROMPT_TOKENS = 32  # two KV blocks at the default block size: D must hold a short prompt
 # Ray Serve's deployment states, as /health names them.
 STATES = {"HEALTHY": "healthy", "UPSCALING": "healthy", "DOWNSCALING": "healthy", "UPDATING": "pending",
@@ -59,6 +66,20 @@ async def app_deployments(timeout_s: float) -> dict:
     return status.applications[app].deployments
 
 
+async def live_replicas(app: str, deployments: list[str], timeout_s: float) -> dict[str, set[str]]:
+    """The live replica actors of each of ``app``'s ``deployments``, from Ray's registry of named actors:
+    a replica's actor is named by its full id, "SERVE_REPLICA::<app>#<deployment>#<id>", and a killed
+    one's name is gone within a fraction of a second (a starting one's is there before it serves)."""
+    named = await asyncio.wait_for(asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True), timeout_s)
+    live: dict[str, set[str]] = {name: set() for name in deployments}
+    for actor in named:
+        app_part, _, rest = actor["name"].partition("::")[2].partition("#")
+        deployment = rest.split("#", 1)[0]
+        if app_part == app and deployment in live:
+            live[deployment].add(actor["name"])
+    return live
+
+
 def describe(error: BaseException) -> str:
     """An error's type and, for our own checks (ValueError), its message; never Ray's internals
     (not even their exception names)."""
@@ -81,9 +102,17 @@ class Readiness:
         self.expected = [*backend.handles, *(["EmbeddingServer"] if embedder is not None else [])]
         self.last: CanaryResult | None = None
         self._lock = asyncio.Lock()
+        self._live: tuple[float, dict[str, set[str]]] | None = None  # (time.monotonic(), live replica ids)
 
     async def check(self) -> tuple[bool, dict]:
-        """(ready, body). Runs a canary unless a recent one succeeded."""
+        """(ready, body). 503 at once for a deployment without a live replica; else runs a canary
+        unless a recent one succeeded."""
+        dead = await self.without_replicas()
+        if dead:
+            self.last = None  # a canary from before the loss says nothing of the replicas that replace it
+            states = {name: {"status": "healthy"} for name in self.expected}
+            states.update({name: {"status": "failing", "reason": "no live replica"} for name in dead})
+            return False, {"status": "unavailable", "deployments": states}
         async with self._lock:  # one canary at a time; a waiter reads the result it left
             if not (self.last and self.last.ok and time.monotonic() - self.last.at < FRESH_S):
                 self.last = await self.canary()
@@ -95,6 +124,26 @@ class Readiness:
         return False, {"status": "unavailable", "canary": {"deployment": self.last.deployment,
                                                            "reason": self.last.reason},
                        "deployments": deployments}
+
+    async def without_replicas(self) -> list[str]:
+        """The deployments with no replica both running (Serve's word to this process's router, which
+        learns of a death only at the controller's next health check) and alive (Ray's registry, which
+        learns of it at once). Read at most every ``LIVE_CACHE_S``; none when the registry does not
+        answer (the canary then says what works)."""
+        now = time.monotonic()
+        if self._live is None or now - self._live[0] >= LIVE_CACHE_S:
+            try:
+                app = serve.get_replica_context().app_name
+                self._live = (now, await live_replicas(app, self.expected, STATUS_TIMEOUT_S))
+            except Exception as error:
+                logger.warning("health: the replicas' registry did not answer: %s", describe(error))
+                return []
+        dead = []
+        for name, alive in self._live[1].items():
+            running = routing.routed_replicas(name)  # None before this process routed to it: alive decides
+            if not (alive & running if running is not None else alive):
+                dead.append(name)
+        return dead
 
     async def canary(self) -> CanaryResult:
         """One short request through every engine deployment, and the embedder's info call."""

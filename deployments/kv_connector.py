@@ -17,9 +17,10 @@ the engine, the servers and the ingress stay as they are.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 import time
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import numpy as np
 from ray.serve.handle import DeploymentResponseGenerator
@@ -49,10 +50,12 @@ class KVConnector(ABC):
         """P: the items of P's stream for one request's ``prefill`` outputs (by choice index)."""
 
     @abstractmethod
-    async def claim(self, call: DeploymentResponseGenerator) -> PrefillReply:
+    async def claim(self, call: DeploymentResponseGenerator, watch: Callable[[AsyncIterator], AsyncIterator]
+                    ) -> PrefillReply:
         """The ingress: P's reply, read from its streaming call to P's ``prefill`` (which yields
-        what ``send`` made), with the handle to the KV bytes in ``reply.kv``; the ingress owns them
-        from here."""
+        ``Accepted`` and heartbeats, then what ``send`` made) through ``watch`` (the ingress's watch
+        for a stalled P, deployments/liveness.py), with the handle to the KV bytes in ``reply.kv``;
+        the ingress owns them from here."""
 
     @abstractmethod
     def release(self, reply: PrefillReply) -> None:
@@ -83,12 +86,18 @@ class ObjectStoreConnector(KVConnector):
         yield PrefillReply(outputs, replace(result, kv=KVPayload(result.kv.meta, None)))
         yield result.kv.data
 
-    async def claim(self, call: DeploymentResponseGenerator) -> PrefillReply:
-        items = await call._to_object_ref_gen()  # references to P's items: the bytes stay where they are
-        reply: PrefillReply = await (await anext(items))
-        if reply.handoff is not None:
-            reply.kv = [await anext(items)]  # the reference, not the bytes
-        return reply
+    async def claim(self, call: DeploymentResponseGenerator, watch: Callable[[AsyncIterator], AsyncIterator]
+                    ) -> PrefillReply:
+        async def resolved() -> AsyncIterator:  # P's items up to its reply, resolved; the KV's stays a reference
+            items = await call._to_object_ref_gen()  # references to P's items: the bytes stay where they are
+            while not isinstance(item := await (await anext(items)), PrefillReply):
+                yield item  # Accepted, Heartbeat
+            if item.handoff is not None:
+                item.kv = [await anext(items)]  # the reference, not the bytes
+            yield item
+
+        async with aclosing(watch(resolved())) as replies:
+            return await anext(replies)
 
     def release(self, reply: PrefillReply) -> None:
         reply.kv.clear()

@@ -87,6 +87,24 @@ async def watched(items: AsyncIterator, stall_timeout_s: float, replica: str) ->
             yield item
 
 
+async def taken_then_watched(items: AsyncIterator, stall_timeout_s: float, routed_to: Callable[[], str | None]
+                             ) -> AsyncIterator:
+    """A call's items after its ``Accepted``, ``watched``; the call not taken within ``stall_timeout_s``
+    (its replica is stopped before it could say so) raises ReplicaStalled and marks the replica its
+    router chose for it (``routed_to()``, None if unknown). For P, whose calls Serve's router does
+    not queue past the ingress's admission bound (deployments/admission.py), so a call not taken
+    at once is a stall, not a queue."""
+    try:
+        async with asyncio.timeout(stall_timeout_s):
+            accepted = await anext(items)
+    except TimeoutError:
+        if (replica := routed_to()) is not None:
+            _stalled_until[replica] = time.monotonic() + AVOID_S
+        raise ReplicaStalled(f"no replica took this request within {stall_timeout_s:g} s") from None
+    async for item in watched(items, stall_timeout_s, accepted.replica):
+        yield item
+
+
 def preferred(replicas: list[RunningReplica]) -> list[RunningReplica]:
     """The replicas no stream of this process found stalled in the last ``AVOID_S``; all of
     them if that leaves none (a lone replica is waited for, not refused)."""

@@ -80,6 +80,21 @@ class PrefixIndex:
 _indexes: dict[str, PrefixIndex] = {}  # deployment name -> its index (this process)
 _replica_counts: dict[str, int] = {}  # deployment name -> replicas it had at its last routing (this process)
 _sent: dict[str, list[tuple[float, float]]] = {}  # replica id -> (time.monotonic(), load) sent since its last report
+_first_choices: dict[str, str] = {}  # P call's request id -> the replica ranked first for it, until answered
+FIRST_CHOICES_KEPT = 4096  # bounds _first_choices should a call end before it was routed
+_routed: dict[str, set[str]] = {}  # deployment name -> its running replicas, as Serve last told this process's router
+
+
+def routed_replicas(deployment: str) -> set[str] | None:
+    """The replica ids Serve last gave this process's router of ``deployment`` (None before it did):
+    a replica joins once running; one that died leaves only when Serve's controller has noticed."""
+    return _routed.get(deployment)
+
+
+def first_choice(request_id: str) -> str | None:
+    """The P replica this process ranked first for ``request_id``'s call, forgotten once asked: the
+    ingress marks it stalled when the call is not taken (deployments/liveness.py)."""
+    return _first_choices.pop(request_id, None)
 
 
 def replica_count(deployment: str) -> int:
@@ -116,12 +131,22 @@ def rank(deployment: str, request: GenerationRequest, replicas: list[RunningRepl
         (-matched[ids[i]], loads[ids[i]]) if balanced else (loads[ids[i]], -matched[ids[i]]), ties[ids[i]]))
     best = ids[order[0]]
     index.insert(keys, best)
+    if prefill:
+        _first_choices[request.request_id] = best
+        while len(_first_choices) > FIRST_CHOICES_KEPT:
+            del _first_choices[next(iter(_first_choices))]
     _sent.setdefault(best, []).append((now, request.num_context_tokens - matched[best] if prefill else 1))
     return [replicas[i] for i in order]
 
 
 class EngineRouter(FIFOMixin, RequestRouter):
     """Pinned calls to their replica; the rest by prefix affinity and load (module docstring)."""
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        from deployments import routing  # the imported module's globals, as in choose_replicas
+
+        routing._routed[self._deployment_id.name] = {r.replica_id.to_full_id_str() for r in replicas}
+        super().update_replicas(replicas)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

@@ -10,7 +10,8 @@ requests and KV usage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator
+import os
+from typing import Any, AsyncIterator
 
 import ray
 from ray import serve
@@ -72,17 +73,37 @@ class _EngineServer:
         if not self.engine.is_alive():
             raise RuntimeError("the engine loop is not running")
 
+    def hang_next_step(self, seconds: float) -> None:
+        """The tests' fault hook: the engine's next step hangs ``seconds`` (AsyncEngine.hang_next_step).
+        Refused unless the replica's environment has PDSERVE_FAULT_HOOKS=1; no HTTP route calls it."""
+        if os.environ.get("PDSERVE_FAULT_HOOKS") != "1":
+            raise PermissionError("fault hooks are off (PDSERVE_FAULT_HOOKS=1 turns them on, for tests)")
+        self.engine.hang_next_step(seconds)
+
     def __del__(self) -> None:
         self.engine.shutdown()
 
 
 class _StreamingServer(_EngineServer):
-    """A server whose calls stream tokens for a long time: it says so when it takes a call, and
-    that it is alive while it has nothing to send."""
+    """A server whose calls can take long: it says so when it takes a call, and that it is alive
+    while it has nothing to send, for as long as its engine thread runs and no step has run past
+    ``step_timeout_s`` (the step watchdog: a thread stuck inside one step is alive but serves nothing)."""
 
-    def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float) -> None:
+    def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float,
+                 step_timeout_s: float) -> None:
         super().__init__(engine_config, lora_store, max_loras)
-        self.heartbeat_s = heartbeat_s
+        self.heartbeat_s, self.step_timeout_s = heartbeat_s, step_timeout_s
+
+    def responsive(self) -> bool:
+        """The engine thread runs and the step it is in (if any) has not run past the bound."""
+        return self.engine.is_alive() and self.engine.step_running_s() <= self.step_timeout_s
+
+    def check_health(self) -> None:
+        """Ray Serve replaces a replica whose engine loop has died or is stuck inside one step."""
+        super().check_health()
+        if (running_s := self.engine.step_running_s()) > self.step_timeout_s:
+            raise RuntimeError(f"an engine step has run {running_s:.0f} s, past step_timeout_s "
+                               f"({self.step_timeout_s:g} s)")
 
     async def _streamed(self, items: AsyncIterator, pinned: str | None = None) -> AsyncIterator:
         """A stream's items after ``Accepted``, with heartbeats while it has nothing to send
@@ -91,7 +112,7 @@ class _StreamingServer(_EngineServer):
         if pinned is not None and pinned != replica_id():
             raise PrefixLost("the decode replica holding this request's prefix is gone")
         yield Accepted(replica_id())
-        async for item in heartbeats(items, self.heartbeat_s, self.engine.is_alive):
+        async for item in heartbeats(items, self.heartbeat_s, self.responsive):
             yield item
 
     async def generate(self, request: GenerationRequest, pinned: str | None = None
@@ -111,16 +132,22 @@ class LLMServer(_StreamingServer):
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
-class PrefillServer(_EngineServer):
-    def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int) -> None:
-        super().__init__(engine_config, lora_store, max_loras)
+class PrefillServer(_StreamingServer):
+    def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float,
+                 step_timeout_s: float) -> None:
+        super().__init__(engine_config, lora_store, max_loras, heartbeat_s, step_timeout_s)
         self.kv = ObjectStoreConnector()
 
-    async def prefill(self, request: GenerationRequest, kv_export_start: int = 0) -> AsyncIterator:
-        """P's reply, then, unless the first token ended every choice, the prompt's KV from
-        token ``kv_export_start`` on (D holds the ones before; the connector's items:
-        deployments/kv_connector.py)."""
-        lora = await self.loras.adapter(request.lora)
+    async def prefill(self, request: GenerationRequest, kv_export_start: int = 0
+                      ) -> AsyncIterator[Accepted | Heartbeat | PrefillReply | Any]:
+        """``Accepted``, heartbeats while the prompt waits or runs (a stalled P is seen as D is),
+        then P's reply and, unless the first token ended every choice, the prompt's KV from token
+        ``kv_export_start`` on (D holds the ones before; the connector's items: deployments/kv_connector.py)."""
+        async for item in self._streamed(self._prefilled(request, kv_export_start)):
+            yield item
+
+    async def _prefilled(self, request: GenerationRequest, kv_export_start: int) -> AsyncIterator:
+        lora = await self.loras.adapter(request.lora)  # under heartbeats: a slow adapter fetch is no stall
         for item in self.kv.send(await self.engine.prefill(request, kv_export_start, lora)):
             yield item
 
@@ -141,9 +168,9 @@ class DecodePlan:
 @serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
 class DecodeServer(_StreamingServer):
     def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float,
-                 hold_s: float) -> None:
+                 step_timeout_s: float, hold_s: float) -> None:
         """``hold_s``: how long a prefix told to the ingress is kept for a request that does not come."""
-        super().__init__(engine_config, lora_store, max_loras, heartbeat_s)
+        super().__init__(engine_config, lora_store, max_loras, heartbeat_s, step_timeout_s)
         self.kv = ObjectStoreConnector()
         self.hold_s = hold_s
 

@@ -84,6 +84,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopped = False
         self._finished: collections.Counter[str] = collections.Counter()
+        self._step_started: float | None = None  # time.monotonic() when the step running now began
+        self._hang_s = 0.0  # fault hook: the next step first sleeps this long (hang_next_step)
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -172,6 +174,18 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def step_running_s(self) -> float:
+        """How long the step running now has run, 0 between steps: the step watchdog's reading
+        (deployments/servers.py), which a live thread stuck inside one step cannot fake."""
+        started = self._step_started
+        return time.monotonic() - started if started is not None else 0.0
+
+    def hang_next_step(self, seconds: float) -> None:
+        """Fault injection: the next step sleeps ``seconds`` before it runs, as a step stuck in a
+        kernel or a collective would. Servers let only tests call it (deployments/servers.py)."""
+        self._hang_s = seconds
+        self._wake.set()
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -240,12 +254,18 @@ class AsyncEngine:
                 self._flush()
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
         try:
+            if self._hang_s:
+                hang, self._hang_s = self._hang_s, 0.0
+                time.sleep(hang)
             outputs = self.engine.step()
         except Exception as error:  # keep serving: fail the running requests, not the server
             logger.exception("engine step failed")
             self._fail_all(error)
             return
+        finally:
+            self._step_started = None
         # Stats first: a caller that has its request's last output sees the engine without it.
         self._finished.update(output.finish_reason for output in outputs if output.finished)
         self._stats = self._snapshot()

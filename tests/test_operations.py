@@ -26,10 +26,12 @@ PHASES = ["pdserve_time_to_first_token_seconds", "pdserve_request_prefill_time_s
 def custom_pd(args: dict, decode_config: dict, decode_cpus: float):
     """A PD app whose D has its own engine settings and CPU request; P and the ingress take no CPU."""
     args = AppArgs.model_validate(args)
-    prefill = PrefillServer.options(ray_actor_options={"num_cpus": 0}).bind(args.engine_config(), None, args.max_loras)
+    prefill = PrefillServer.options(ray_actor_options={"num_cpus": 0})
+    prefill = prefill.bind(args.engine_config(), None, args.max_loras, args.heartbeat_s, args.step_timeout_s)
     decode_args = args.model_copy(update=decode_config)
     decode = DecodeServer.options(ray_actor_options={"num_cpus": decode_cpus})
-    decode = decode.bind(decode_args.engine_config(), None, args.max_loras, decode_args.heartbeat_s, args.kv_lease_s)
+    decode = decode.bind(decode_args.engine_config(), None, args.max_loras, decode_args.heartbeat_s,
+                         args.step_timeout_s, args.kv_lease_s)
     return Ingress.bind(args, prefill=prefill, decode=decode)
 
 

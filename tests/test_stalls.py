@@ -1,0 +1,167 @@
+"""The stalls nothing detected before issue 30, and overload, against one PD app with two P and two D
+replicas: a P replica SIGSTOPped with requests in its engine (they complete on the other P, and so do
+requests sent while it is stopped; its blocks return after SIGCONT), an engine step that does not end
+(the fault hook: the replica stops its heartbeats, its streams move and complete, Serve replaces it),
+and /health turning 503 once D is killed.
+
+Each fault is proven (a stopped process still runs, the migration counter moved, a replaced replica is
+gone from Ray's registry). The measured detection delays are printed (``pytest -s``), not asserted:
+they depend on the machine's load."""
+
+import concurrent.futures
+import os
+import time
+
+import httpx
+import psutil
+import pytest
+import ray
+from ray import serve
+
+from deployments.app import pd_app
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from tests.serving import (RAY_INTERNALS, assert_nothing_held, call_replica, migrations, processes, replicas,
+                           serve_session, sigkill, stopped, wait_until)
+from tests.test_faults import LONG, bodies, reference_text, streams_running
+
+APP = "stalls"
+STALL_TIMEOUT_S = 3
+STEP_TIMEOUT_S = 5
+PROMPT = 400  # tokens of the P stall test's prompts, as in the issue's report
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    os.environ["PDSERVE_FAULT_HOOKS"] = "1"  # the replicas inherit it from Ray's processes
+    try:
+        with serve_session() as url:
+            # Serve checks the replicas' health every second: a stuck step is replaced in seconds.
+            options = {"num_replicas": 2, "health_check_period_s": 1, "graceful_shutdown_timeout_s": 2}
+            serve.run(pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
+                              "kv_lease_s": 6, "stall_timeout_s": STALL_TIMEOUT_S, "step_timeout_s": STEP_TIMEOUT_S,
+                              "pd_local_prefill_tokens": 0},
+                             prefill_options=options, decode_options=options), name=APP, route_prefix="/")
+            assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, 180, 1)
+            yield url
+    finally:
+        os.environ.pop("PDSERVE_FAULT_HOOKS", None)
+
+
+def test_the_step_watchdog_reads_a_hung_step_and_only_while_it_runs():
+    engine = AsyncEngine(EngineConfig(model="tiny-llama"))
+    try:
+        assert engine.step_running_s() == 0.0
+        engine.hang_next_step(3.0)
+        assert wait_until(lambda: engine.step_running_s() > 1.0, 30, 0.05)  # the hung step, still running
+        assert wait_until(lambda: engine.step_running_s() == 0.0, 30, 0.05)  # it ended: nothing running
+        assert engine.is_alive()
+    finally:
+        engine.shutdown()
+
+
+def test_the_fault_hook_is_refused_without_the_test_setting(monkeypatch):
+    from deployments.servers import LLMServer
+
+    monkeypatch.delenv("PDSERVE_FAULT_HOOKS", raising=False)
+    server = LLMServer.func_or_class(EngineConfig(model="tiny-llama"), None, 1, 1.0, 0.5)
+    try:
+        with pytest.raises(PermissionError):
+            server.hang_next_step(60)
+        monkeypatch.setenv("PDSERVE_FAULT_HOOKS", "1")
+        server.hang_next_step(3)
+        assert wait_until(lambda: not server.responsive(), 30, 0.05)  # past step_timeout_s (0.5 s)
+        with pytest.raises(RuntimeError, match="step_timeout_s"):
+            server.check_health()
+        assert wait_until(server.responsive, 30, 0.05)
+        server.check_health()
+    finally:
+        server.engine.shutdown()
+
+
+def replica_process(name: str) -> psutil.Process:
+    """The process of the replica actor ``name`` (Ray's actor table has its pid)."""
+    actor = ray.get_actor(name, namespace="serve")
+    return psutil.Process(ray._private.state.actors(actor._actor_id.hex())["Pid"])
+
+
+def completion(url: str, i: int) -> str:
+    """Request ``i`` of the P stall test (a PROMPT-token prompt of its own, greedy): its text."""
+    body = {"model": "tiny-llama", "prompt": [1] + [(11 * i + 7 * j) % 700 + 3 for j in range(PROMPT)],
+            "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+@pytest.mark.slow
+def test_a_stopped_prefill_replica_its_requests_and_new_ones_complete_on_the_other(base_url):
+    """One P's next step held still 4 s (the hook, under STEP_TIMEOUT_S), so that requests it took are
+    still in it when it is SIGSTOPped: accepted, not prefilled, proven by its own count of open
+    streams. They move to the other P; so do requests sent while it is stopped; after SIGCONT the
+    stopped P, still the same replica, frees everything."""
+    expected = [completion(base_url, i) for i in range(16)]  # fault-free, greedy
+    frozen = sorted(replicas("PrefillServer", APP))[0]
+    process = replica_process(frozen)
+    before = migrations(base_url)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        call_replica(frozen, "hang_next_step", 4.0)
+        texts = [pool.submit(completion, base_url, i) for i in range(12)]
+        assert wait_until(lambda: call_replica(frozen, "holdings")["streams"] > 0, 30, 0.05)
+        with stopped("PrefillServer", APP, only=process):
+            stopped_at = time.monotonic()
+            texts += [pool.submit(completion, base_url, i) for i in range(12, 16)]  # sent to a stopped P
+            done = [t.result(timeout=300) for t in texts]
+            print(f"\nP stopped: its requests and 4 new ones completed {time.monotonic() - stopped_at:.2f} s "
+                  f"after SIGSTOP (stall_timeout_s={STALL_TIMEOUT_S})")
+            moved = migrations(base_url) - before
+        assert process.is_running()  # stopped, never killed
+    assert moved > 0  # the stopped P's requests were prefilled again elsewhere
+    assert done == expected
+    assert_nothing_held(["PrefillServer"], APP, 120)  # the stopped P, running again, freed what it held
+    assert frozen in replicas("PrefillServer", APP)  # ... itself: not replaced
+
+
+@pytest.mark.slow
+def test_a_step_that_does_not_end_its_replica_is_replaced_and_its_streams_move_and_complete(base_url):
+    expected = [reference_text(base_url, path, body) for path, body in bodies(False)]  # fault-free
+    before = migrations(base_url)
+    with streams_running(base_url) as (texts, fault_done):
+        serving = {name: call_replica(name, "holdings")["streams"] for name in replicas("DecodeServer", APP)}
+        stuck = max(serving, key=serving.get)
+        assert serving[stuck] > 0
+        call_replica(stuck, "hang_next_step", 120.0)  # bounded: Serve replaces the replica long before
+        hung_at = time.monotonic()
+        fault_done.set()
+        assert wait_until(lambda: stuck not in replicas("DecodeServer", APP), 120, 0.2)  # Serve took it down
+        replaced_s = time.monotonic() - hung_at
+        streamed = [t.result(timeout=300) for t in texts]
+    # The ingress's log dates each move (ReplicaStalled): step_timeout_s + stall_timeout_s after the hang.
+    print(f"\nstuck step: Serve had stopped the replica {replaced_s:.2f} s after its step hung "
+          f"(step_timeout_s={STEP_TIMEOUT_S}, health checks every 1 s, 3 failures)")
+    assert migrations(base_url) > before  # counted as the moved streams end: they moved, and completed
+    assert streamed == expected
+    assert wait_until(lambda: len(replicas("DecodeServer", APP)) == 2, 180, 0.5)  # and started another
+
+
+@pytest.mark.slow
+def test_health_turns_503_once_every_decode_replica_is_killed(base_url):
+    assert httpx.get(f"{base_url}/health", timeout=30).status_code == 200
+    for process in processes("DecodeServer", APP):
+        sigkill(process)
+    killed_at = time.monotonic()
+    answers = []
+
+    def unavailable() -> bool:
+        answers.append(httpx.get(f"{base_url}/health", timeout=30))
+        return answers[-1].status_code == 503
+
+    assert wait_until(unavailable, 30, 0.1)
+    print(f"\n/health: 503 {time.monotonic() - killed_at:.2f} s after D was killed ({len(answers)} polls, "
+          f"every 0.1 s)")
+    # Said by the replicas' registry, not by a canary that timed out (which would take up to FRESH_S + 5 s).
+    body = answers[-1].json()
+    assert body["deployments"]["DecodeServer"] == {"status": "failing", "reason": "no live replica"}, body
+    assert "canary" not in body, body
+    # Serve starts new D replicas; /health says so once a canary goes through them.
+    assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).status_code == 200, 180, 1)
