@@ -57,6 +57,10 @@ class AppArgs(BaseModel):
     step_timeout_s: float = Field(30.0, gt=0, description="the step watchdog: an engine step running longer "
                                   "than this stops the replica's heartbeats (its streams move, as a stalled "
                                   "replica's) and fails its health check (Serve replaces it)")
+    admission_tokens_per_replica: int = Field(
+        262144, gt=0, description="admission control: prompt + max_tokens of the requests in flight from the "
+        "ingress to a role (P, D or colocated), per replica of it; past it a new request gets a 503 with "
+        "Retry-After at once (priority 1 may use it all, priority 5 the first 60%: docs/serving.md)")
     pd_local_prefill_tokens: int = Field(
         256, ge=0, description="PD: prompts whose tokens not held by D are at most this many are computed on D "
         "(conditional disaggregation, docs/serving.md); 0: only prompts D holds whole")

@@ -24,6 +24,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
+from deployments import routing
+from deployments.admission import Admission, Overloaded, admitted
 from deployments.backends import ColocatedBackend, PDBackend, merge
 from deployments.config import AppArgs
 from deployments.failures import client_error, on_unexpected_error
@@ -155,6 +157,9 @@ class Ingress:
         self.backend = (ColocatedBackend(llm, args.stall_timeout_s) if llm is not None
                         else PDBackend(prefill, decode, args.kv_lease_s, args.stall_timeout_s, args.disaggregation))
         self.embedder = embedder
+        roles = list(self.backend.handles)  # P then D, or the colocated engine
+        self.admission = Admission(roles[0] if len(roles) > 1 else None, roles[-1], args.admission_tokens_per_replica,
+                                   args.max_ongoing_requests, routing.replica_count)
         self.metrics = IngressMetrics()
         self.spans = SpanWriter(args.traces_exporter) if args.traces_exporter != "none" else None
         app.state.metrics = self.metrics
@@ -248,8 +253,12 @@ class Ingress:
         def on_migrate() -> None:
             trace.migrations += 1
 
+        try:
+            ticket = self.admission.admit(request)
+        except Overloaded as error:  # at once, never a wait: deployments/admission.py
+            raise APIError(503, str(error), code="overloaded", retry_after=error.retry_after) from None
         resilient = migrating(lambda r: self.backend.stream(r, trace), request, self.args.max_migrations, on_migrate)
-        stream = traced(resilient, trace, self.end_trace)
+        stream = admitted(traced(resilient, trace, self.end_trace), ticket)
         try:
             first = await stream.__anext__()
         except Exception as error:

@@ -2,7 +2,8 @@
 replicas: a P replica SIGSTOPped with requests in its engine (they complete on the other P, and so do
 requests sent while it is stopped; its blocks return after SIGCONT), an engine step that does not end
 (the fault hook: the replica stops its heartbeats, its streams move and complete, Serve replaces it),
-and /health turning 503 once D is killed.
+a burst past the admission bound in all three dialects (each request ends at once with 200 or a
+clean 503 with Retry-After, in its dialect's shape), and /health turning 503 once D is killed.
 
 Each fault is proven (a stopped process still runs, the migration counter moved, a replaced replica is
 gone from Ray's registry). The measured detection delays are printed (``pytest -s``), not asserted:
@@ -12,7 +13,9 @@ import concurrent.futures
 import os
 import time
 
+import anthropic
 import httpx
+import openai
 import psutil
 import pytest
 import ray
@@ -28,6 +31,8 @@ from tests.test_faults import LONG, bodies, reference_text, streams_running
 APP = "stalls"
 STALL_TIMEOUT_S = 3
 STEP_TIMEOUT_S = 5
+TOKENS_PER_REPLICA = 16000  # admission: priority 5 may have 0.6 * 2 * 16000 tokens in flight to D
+BURST_MAX_TOKENS = 1000
 PROMPT = 400  # tokens of the P stall test's prompts, as in the issue's report
 
 
@@ -40,7 +45,7 @@ def base_url():
             options = {"num_replicas": 2, "health_check_period_s": 1, "graceful_shutdown_timeout_s": 2}
             serve.run(pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
                               "kv_lease_s": 6, "stall_timeout_s": STALL_TIMEOUT_S, "step_timeout_s": STEP_TIMEOUT_S,
-                              "pd_local_prefill_tokens": 0},
+                              "pd_local_prefill_tokens": 0, "admission_tokens_per_replica": TOKENS_PER_REPLICA},
                              prefill_options=options, decode_options=options), name=APP, route_prefix="/")
             assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, 180, 1)
             yield url
@@ -142,6 +147,48 @@ def test_a_step_that_does_not_end_its_replica_is_replaced_and_its_streams_move_a
     assert migrations(base_url) > before  # counted as the moved streams end: they moved, and completed
     assert streamed == expected
     assert wait_until(lambda: len(replicas("DecodeServer", APP)) == 2, 180, 0.5)  # and started another
+
+
+def burst_request(url: str, dialect: str, i: int):
+    """One request of the burst, with its dialect's client: (status, Retry-After, error body or None)."""
+    prompt = f"burst {i}: tell me a long story"
+    if dialect == "openai":
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=BURST_MAX_TOKENS,
+                                      extra_body={"ignore_eos": True})
+            return 200, None, None
+        except openai.APIStatusError as error:
+            return error.status_code, error.response.headers.get("retry-after"), error.response.json()
+    if dialect == "anthropic":
+        client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        try:
+            client.messages.create(model="tiny-llama", messages=[{"role": "user", "content": prompt}],
+                                   max_tokens=BURST_MAX_TOKENS)
+            return 200, None, None
+        except anthropic.APIStatusError as error:
+            return error.status_code, error.response.headers.get("retry-after"), error.response.json()
+    body = {"input_id": [1, 50 + i, 51, 52], "parameters": {"max_new_tokens": BURST_MAX_TOKENS, "ignore_eos": True}}
+    response = httpx.post(f"{url}/infer_token", json=body, timeout=120)
+    error = response.json() if response.status_code != 200 else None
+    return response.status_code, response.headers.get("retry-after"), error
+
+
+@pytest.mark.slow
+def test_a_burst_past_the_admission_bound_ends_at_once_200_or_a_clean_503_in_each_dialect(base_url):
+    dialects = ["openai", "mindie", "anthropic"] * 16  # ~48 * 1000 tokens: past 0.6 * 2 * 16000
+    with concurrent.futures.ThreadPoolExecutor(len(dialects)) as pool:
+        answers = list(pool.map(lambda a: burst_request(base_url, *a), zip(dialects, range(len(dialects)))))
+    refused = [(d, a) for d, a in zip(dialects, answers) if a[0] != 200]
+    for dialect, (status, retry_after, error) in refused:
+        assert status == 503 and retry_after == "1", (dialect, status, error)
+        assert not RAY_INTERNALS.search(str(error)), error
+        if dialect == "anthropic":
+            assert error["type"] == "error" and error["error"]["type"] == "overloaded_error", error
+        else:  # OpenAI's shape, /infer_token's too
+            assert error["error"]["code"] == "overloaded" and error["error"]["type"], error
+    assert refused and len(refused) < len(dialects)  # past the bound, and the bound admitted some
+    print(f"\nburst: {len(dialects) - len(refused)} admitted (200), {len(refused)} refused (503, Retry-After: 1)")
 
 
 @pytest.mark.slow

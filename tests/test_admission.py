@@ -1,0 +1,119 @@
+"""Admission control (deployments/admission.py), in-process: budgets counted in tokens and requests
+per role and per replica, priority's headroom at the bound, and charges released exactly once.
+The burst through every dialect against a running app is in tests/test_stalls.py."""
+
+import asyncio
+
+import pytest
+
+from deployments.admission import SHARE, Admission, Overloaded, admitted
+from engine.outputs import RequestOutput
+from engine.request import GenerationRequest
+from sampling import SamplingParams
+
+TOKENS_PER_REPLICA = 1000
+
+
+def request(prompt_tokens: int, max_tokens: int, priority: int = 5, n: int = 1) -> GenerationRequest:
+    return GenerationRequest(f"r{prompt_tokens}-{max_tokens}-{priority}", list(range(1, prompt_tokens + 1)),
+                             SamplingParams(max_new_tokens=max_tokens), priority=priority, n=n)
+
+
+def pd(replicas: dict[str, int] | None = None, requests_per_replica: int = 256) -> Admission:
+    counts = replicas or {"PrefillServer": 1, "DecodeServer": 1}
+    return Admission("PrefillServer", "DecodeServer", TOKENS_PER_REPLICA, requests_per_replica, counts.__getitem__)
+
+
+def fill(admission: Admission, priority: int, cost: int) -> list:
+    """Admit requests of ``cost`` tokens at ``priority`` until one is refused; the tickets."""
+    tickets = []
+    for _ in range(1000):
+        try:
+            tickets.append(admission.admit(request(cost // 2, cost - cost // 2, priority)))
+        except Overloaded:
+            return tickets
+    pytest.fail("nothing was refused")
+
+
+def test_the_bound_is_in_tokens_prompt_plus_every_choices_max_tokens():
+    admission = pd()
+    first = admission.admit(request(100, 100))  # 200 tokens of D's 600 (priority 5: 60%)
+    with pytest.raises(Overloaded) as refused:
+        admission.admit(request(10, 200, n=2))  # 410 more: two requests, but too many tokens
+    assert refused.value.retry_after == 1 and "DecodeServer" in str(refused.value)
+    admission.admit(request(10, 190, n=2))  # 390 more: fits exactly
+    assert admission.load["DecodeServer"].tokens == 590 and admission.load["PrefillServer"].tokens == 110
+    first.done()
+    assert admission.load["DecodeServer"].tokens == 390
+
+
+def test_the_bound_is_also_in_requests():
+    admission = pd(requests_per_replica=10)
+    tickets = fill(admission, 5, 2)  # tiny requests: the count binds, not the tokens
+    assert len(tickets) == 6 == int(SHARE[5] * 10)
+
+
+def test_priority_1_is_admitted_at_the_bound_where_priority_5_is_refused():
+    admission = pd()
+    fill(admission, 5, 100)  # priority 5 filled its 60%
+    with pytest.raises(Overloaded):
+        admission.admit(request(50, 50, priority=5))
+    admission.admit(request(50, 50, priority=1))  # the headroom kept for higher priorities
+    assert len(fill(admission, 1, 100)) == 3  # priority 1 goes on to the whole budget: 1000 tokens
+    with pytest.raises(Overloaded):
+        admission.admit(request(50, 50, priority=1))
+
+
+def test_the_budget_grows_with_the_replicas():
+    replicas = {"PrefillServer": 1, "DecodeServer": 1}
+    admission = pd(replicas)
+    one = len(fill(admission, 1, 100))
+    replicas["DecodeServer"] = replicas["PrefillServer"] = 3
+    assert one == 10 and len(fill(admission, 1, 100)) == 20
+
+
+def test_an_idle_role_admits_a_request_larger_than_its_budget():
+    admission = pd()
+    admission.admit(request(2000, 2000, priority=5))
+    with pytest.raises(Overloaded):
+        admission.admit(request(1, 1, priority=1))
+
+
+def test_p_is_released_at_the_first_output_d_at_the_end_each_once_however_the_stream_ends():
+    admission = pd()
+
+    async def outputs(fail: bool):
+        yield RequestOutput("r", [5], "x", 1, False, None, 0)
+        if fail:
+            raise RuntimeError("a replica failed")
+        yield RequestOutput("r", [6], "y", 2, True, "length", 0)
+
+    async def run(fail: bool, leave_early: bool) -> list[tuple[int, int]]:
+        seen = []
+        stream = admitted(outputs(fail), admission.admit(request(30, 70)))
+        try:
+            async for _ in stream:
+                seen.append((admission.load["PrefillServer"].tokens, admission.load["DecodeServer"].tokens))
+                if leave_early:
+                    break
+        except RuntimeError:
+            pass
+        finally:
+            await stream.aclose()
+        return seen
+
+    for fail, leave_early in [(False, False), (True, False), (False, True)]:
+        seen = asyncio.run(run(fail, leave_early))
+        assert seen[0] == (0, 100)  # P's 30 released with the first token; D holds prompt + max_tokens
+        assert (admission.load["PrefillServer"].tokens, admission.load["DecodeServer"].tokens) == (0, 0)
+        assert admission.load["DecodeServer"].requests == admission.load["PrefillServer"].requests == 0
+
+
+def test_colocated_has_one_role():
+    admission = Admission(None, "LLMServer", TOKENS_PER_REPLICA, 256, lambda _: 1)
+    ticket = admission.admit(request(30, 70))
+    assert list(admission.load) == ["LLMServer"] and admission.load["LLMServer"].tokens == 100
+    ticket.prefilled()  # nothing of P's to release
+    assert admission.load["LLMServer"].tokens == 100
+    ticket.done()
+    assert admission.load["LLMServer"].tokens == 0
