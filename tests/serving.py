@@ -55,16 +55,32 @@ def serve_session(num_cpus: int | None = None, address: str | None = None):
         _stop_ray_and_serve()
 
 
-def kept_app(name: str, build) -> str:
-    """The shared session's application ``name`` (route prefix "/<name>"), deployed by ``build()``
-    the first time a module asks and kept for the next ones; returns its base URL."""
+def kept_app(name: str, build, route_prefix: str | None = None) -> str:
+    """The shared session's application ``name`` (at ``route_prefix``, by default "/<name>"),
+    deployed by ``build()`` the first time a module asks and kept for the next ones; returns its base URL."""
     from ray import serve
 
-    url = shared_url()
+    url, route_prefix = shared_url(), route_prefix or f"/{name}"
     if name not in _shared["kept"]:
-        serve.run(build(), name=name, route_prefix=f"/{name}")
+        serve.run(build(), name=name, route_prefix=route_prefix)
         _shared["kept"].add(name)
-    return f"{url}/{name}"
+    return f"{url}{route_prefix}"
+
+
+# The OpenAI dialect's pair, kept across its modules: "<base>/pd" (PD, with the embedder, every
+# prompt through P) and "<base>/co" (colocated), both of tiny-llama as served by default.
+# max_iter_times: a tool call in tiny-llama's 1k vocabulary takes ~70 tokens.
+OPENAI_APPS_CAP = 160
+
+
+def openai_apps() -> str:
+    """The base URL under which the kept OpenAI pair answers at "/pd" and "/co"."""
+    from deployments.app import colocated_app, pd_app
+
+    common = {"torch_threads": 1, "max_iter_times": OPENAI_APPS_CAP, "pd_local_prefill_tokens": 0}
+    kept_app("openai-pd", lambda: pd_app(common), "/openai/pd")
+    kept_app("openai-co", lambda: colocated_app({**common, "embeddings": False}), "/openai/co")
+    return f"{shared_url()}/openai"
 
 
 # The agent-era dialects' app (Responses, Messages), kept across their modules: PD in float32 (exact

@@ -7,31 +7,25 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from ray import serve
 from transformers import AutoTokenizer
 
-from deployments.app import colocated_app, pd_app
 from deployments.embeddings import default_model_dir
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
 from engine.execution.tiny_model import ensure_tiny_model
 from sampling import SamplingParams
-from tests.serving import serve_session
+from tests.serving import OPENAI_APPS_CAP, openai_apps
 from tests.test_vllm_extensions import vllm_bench_chat, vllm_bench_completion
 
 MODEL = "tiny-llama"  # vllm_bench_* name it too
-CAP = 64  # max_iter_times of these apps
+CAP = OPENAI_APPS_CAP  # max_iter_times of the kept OpenAI pair
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Grüße, wie geht's?"}]
 
 
 @pytest.fixture(scope="module")
 def base_url():
-    with serve_session() as url:
-        common = {"torch_threads": 1, "max_iter_times": CAP, "pd_local_prefill_tokens": 0}
-        serve.run(pd_app(common), name="pd", route_prefix="/pd")
-        serve.run(colocated_app({**common, "embeddings": False}), name="co", route_prefix="/co")  # pd embeds
-        yield url
+    return openai_apps()
 
 
 @pytest.fixture(scope="module")

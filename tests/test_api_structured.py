@@ -10,25 +10,19 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from ray import serve
 from transformers import AutoTokenizer
 
-from deployments.app import colocated_app, pd_app
 from engine.execution.tiny_model import ensure_tiny_model
-from tests.serving import serve_session
+from tests.serving import OPENAI_APPS_CAP, openai_apps
 
 MODEL = "tiny-llama"
-CAP = 160  # max_iter_times of these apps: a call in tiny-llama's 1k vocabulary takes ~70 tokens
+CAP = OPENAI_APPS_CAP  # max_iter_times of the kept OpenAI pair
 APPS = ["pd", "co"]
 
 
 @pytest.fixture(scope="module")
 def base_url():
-    with serve_session() as url:
-        common = {"torch_threads": 1, "max_iter_times": CAP, "embeddings": False, "pd_local_prefill_tokens": 0}
-        serve.run(pd_app(common), name="pd", route_prefix="/pd")
-        serve.run(colocated_app(common), name="co", route_prefix="/co")
-        yield url
+    return openai_apps()
 
 
 def client(base_url, app) -> openai.OpenAI:
