@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 UV     := uv==0.13.9
 
-.PHONY: install lock serve test bench bench-vllm clean mutants mutants-report
+.PHONY: install lock serve browser test bench bench-vllm clean mutants mutants-report
 
 # The install is locked: requirements.lock pins every package but torch (`make lock` remakes it
 # from pyproject.toml's ranges). uv installs those exact versions, in parallel, resolving nothing.
@@ -57,7 +57,13 @@ lock:
 serve: install
 	$(VENV)/bin/serve run configs/local.yaml
 
-test: install
+# tests/test_web_page.py drives Debian's chromium through the page at GET / (selenium, in the lock):
+# apt-get installs the browser and its driver when the driver is missing (as root, else with sudo).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	test -x /usr/bin/chromedriver || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium chromium-driver; }
+
+test: install browser
 	$(PY) -m pytest -q
 
 bench: install

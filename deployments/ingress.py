@@ -11,6 +11,7 @@ Anthropic's Messages in dialects/anthropic.py) to the backends; the dialects nev
 import asyncio
 import base64
 import json
+from pathlib import Path
 import time
 from typing import AsyncIterator
 import uuid
@@ -19,7 +20,7 @@ from fastapi import FastAPI, Request
 import numpy as np
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
@@ -32,7 +33,7 @@ from deployments.failures import client_error, on_unexpected_error
 from deployments.health import Readiness, describe
 from deployments.metrics import IngressMetrics
 from deployments.migration import migrating
-from deployments.tracing import RequestTrace, SpanWriter, log_line, traced
+from deployments.tracing import RecentTraces, RequestTrace, SpanWriter, log_line, traced
 from dialects import anthropic, auth, mindie, responses
 from dialects.anthropic_schema import CountTokensRequest, MessagesRequest
 from dialects.errors import (APIError, documented, error_response, on_api_error, on_http_error,
@@ -67,6 +68,7 @@ app.add_exception_handler(RequestValidationError, in_route_dialect(on_validation
 app.add_exception_handler(StarletteHTTPException, in_route_dialect(on_http_error))
 app.add_exception_handler(Exception, in_route_dialect(on_unexpected_error))
 
+WEB_PAGE = (Path(__file__).parent / "web" / "index.html").read_text()  # GET /: try the model in a browser
 ENGINE_WAIT_S = 5.0  # the longest any endpoint waits for a deployment's info before a 503
 SSE = "text/event-stream"
 # What a generation route can answer: JSON, or server-sent events when "stream" is true; 400 bad
@@ -162,6 +164,7 @@ class Ingress:
                                    args.max_ongoing_requests, routing.replica_count)
         self.metrics = IngressMetrics()
         self.spans = SpanWriter(args.traces_exporter) if args.traces_exporter != "none" else None
+        self.traces = RecentTraces()  # GET /traces/{id}
         app.state.metrics = self.metrics
         app.state.max_body_bytes = args.max_body_bytes
         app.state.api_key = args.api_key.get_secret_value() if args.api_key is not None else None
@@ -272,6 +275,7 @@ class Ingress:
     def end_trace(self, trace: RequestTrace, outcome: str) -> None:
         self.metrics.observe(trace)
         log_line(trace, outcome)
+        self.traces.add(trace, outcome)
         if self.spans is not None:
             self.spans.write(trace, outcome)
 
@@ -493,6 +497,23 @@ class Ingress:
     @app.get("/docs", include_in_schema=False)
     async def docs(self, http: Request):
         return get_swagger_ui_html(openapi_url=f"{http.scope.get('root_path', '')}/openapi.json", title=app.title)
+
+    @app.get("/", include_in_schema=False)
+    async def web_page(self):
+        """One page to try the model: a message, its answer streamed, and the request's phases
+        (deployments/web/index.html; it reads /v1/models, /v1/chat/completions and /traces)."""
+        return HTMLResponse(WEB_PAGE)
+
+    @app.get("/traces/{request_id}", responses=documented(404))
+    async def trace(self, request_id: str):
+        """The recorded phases of a request that ended on this ingress replica (one of its last
+        1024): a response id (chatcmpl-…, its engine requests) or an engine request id."""
+        ended = self.traces.find(request_id)
+        if not ended:
+            raise APIError(404, f"request_id: no ended request {request_id!r} among this ingress's last "
+                           f"{self.traces.capacity}", "request_id", "not_found")
+        return {"id": request_id, "app": "pd" if isinstance(self.backend, PDBackend) else "colocated",
+                "requests": ended}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus(self):

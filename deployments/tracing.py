@@ -17,6 +17,7 @@ A trace is ended once, by ``traced`` (the stream ends, fails, or its client goes
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 import logging
 import time
@@ -111,6 +112,42 @@ class RequestTrace:
         if self.first_token is not None:
             durations["ttft"] = self.first_token - self.arrival
         return durations
+
+
+class RecentTraces:
+    """The last ``capacity`` ended traces of this ingress replica, for GET /traces/{id} (the page at
+    GET / draws one request's phases from it). Bounded: the oldest is dropped first."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self._ended: OrderedDict[str, dict] = OrderedDict()  # engine request id -> as_json()
+
+    def add(self, trace: RequestTrace, outcome: str) -> None:
+        self._ended[trace.engine_request_id] = as_json(trace, outcome)
+        while len(self._ended) > self.capacity:
+            self._ended.popitem(last=False)
+
+    def find(self, request_id: str) -> list[dict]:
+        """The engine request ``request_id``, or those of one response: its engine requests are
+        named ``<response id>-<prompt index>`` (chatcmpl-…-0, cmpl-…-0, cmpl-…-1)."""
+        if request_id in self._ended:
+            return [self._ended[request_id]]
+        found = []
+        while (name := f"{request_id}-{len(found)}") in self._ended:
+            found.append(self._ended[name])
+        return found
+
+
+def as_json(trace: RequestTrace, outcome: str) -> dict:
+    """One ended trace: each phase reached as seconds from the ingress's arrival (start, end), in
+    order; phases the request did not go through (KV transfer and D's queue when colocated) are
+    absent, not zero."""
+    return {"request_id": trace.request_id, "engine_request_id": trace.engine_request_id, "outcome": outcome,
+            "prompt_tokens": trace.prompt_tokens, "output_tokens": trace.output_tokens,
+            "kv_bytes": trace.kv.nbytes if trace.kv else None, "migrations": trace.migrations,
+            "ttft": trace.phases().get("ttft"),
+            "phases": [{"name": name, "start": start - trace.arrival, "end": end - trace.arrival}
+                       for name, (start, end) in trace.intervals().items()]}
 
 
 async def traced(stream: AsyncIterator[RequestOutput], trace: RequestTrace, end) -> AsyncIterator[RequestOutput]:

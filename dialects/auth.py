@@ -1,7 +1,7 @@
 """The API key (AppArgs.api_key, else the environment's PDSERVE_API_KEY, as vLLM's --api-key and
 VLLM_API_KEY): when set, every model route needs ``Authorization: Bearer <key>``; Anthropic's
 routes also take it as ``x-api-key`` (its SDK's header). Operations stay open: /health, /metrics,
-/openapi.json and /docs. docs/api.md has the decisions."""
+/openapi.json, /docs and the page at / (it asks for the key itself). docs/api.md has the decisions."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Mapping
 
 from dialects.errors import APIError
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
+OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/openapi.json", "/docs"})
 
 
 def route_path(scope: Mapping) -> str:
@@ -21,7 +21,7 @@ def route_path(scope: Mapping) -> str:
 
 def is_open(path: str) -> bool:
     """Whether ``path`` (below the route prefix) is served without the key."""
-    return path in OPEN_PATHS
+    return (path or "/") in OPEN_PATHS  # "": the route prefix itself (/pd)
 
 
 def check_api_key(api_key: str | None, headers: Mapping[str, str], x_api_key: bool = False) -> None:
