@@ -10,7 +10,6 @@ gone from Ray's registry). The measured detection delays are printed (``pytest -
 they depend on the machine's load."""
 
 import concurrent.futures
-import os
 import time
 
 import anthropic
@@ -38,26 +37,25 @@ PROMPT = 400  # tokens of the P stall test's prompts, as in the issue's report
 
 @pytest.fixture(scope="module")
 def base_url():
-    os.environ["PDSERVE_FAULT_HOOKS"] = "1"  # the replicas inherit it from Ray's processes
-    try:
-        with serve_session() as url:
-            # Serve checks the replicas' health every second: a stuck step is replaced in seconds.
-            options = {"num_replicas": 2, "health_check_period_s": 1, "graceful_shutdown_timeout_s": 2}
-            serve.run(pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
-                              "kv_lease_s": 6, "stall_timeout_s": STALL_TIMEOUT_S, "step_timeout_s": STEP_TIMEOUT_S,
-                              "pd_local_prefill_tokens": 0, "admission_tokens_per_replica": TOKENS_PER_REPLICA},
-                             prefill_options=options, decode_options=options), name=APP, route_prefix="/")
-            assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, 180, 1)
-            yield url
-    finally:
-        os.environ.pop("PDSERVE_FAULT_HOOKS", None)
+    with serve_session() as url:
+        # The engine replicas' fault hook is on (their environment only); Serve checks their health
+        # every second, so a stuck step is replaced in seconds.
+        options = {"num_replicas": 2, "health_check_period_s": 1, "graceful_shutdown_timeout_s": 2,
+                   "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": {"PDSERVE_FAULT_HOOKS": "1"}}}}
+        serve.run(pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
+                          "kv_lease_s": 6, "stall_timeout_s": STALL_TIMEOUT_S, "step_timeout_s": STEP_TIMEOUT_S,
+                          "pd_local_prefill_tokens": 0, "admission_tokens_per_replica": TOKENS_PER_REPLICA},
+                         prefill_options=options, decode_options=options), name=APP, route_prefix=f"/{APP}")
+        url = f"{url}/{APP}"
+        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, 180, 1)
+        yield url
 
 
 def test_the_step_watchdog_reads_a_hung_step_and_only_while_it_runs():
     engine = AsyncEngine(EngineConfig(model="tiny-llama"))
     try:
         assert engine.step_running_s() == 0.0
-        engine.hang_next_step(3.0)
+        engine.hang_next_step(2.0)
         assert wait_until(lambda: engine.step_running_s() > 1.0, 30, 0.05)  # the hung step, still running
         assert wait_until(lambda: engine.step_running_s() == 0.0, 30, 0.05)  # it ended: nothing running
         assert engine.is_alive()
@@ -129,7 +127,8 @@ def test_a_stopped_prefill_replica_its_requests_and_new_ones_complete_on_the_oth
 
 @pytest.mark.slow
 def test_a_step_that_does_not_end_its_replica_is_replaced_and_its_streams_move_and_complete(base_url):
-    expected = [reference_text(base_url, path, body) for path, body in bodies(False)]  # fault-free
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # fault-free, batched together
+        expected = list(pool.map(lambda pb: reference_text(base_url, *pb), bodies(False)))
     before = migrations(base_url)
     with streams_running(base_url) as (texts, fault_done):
         serving = {name: call_replica(name, "holdings")["streams"] for name in replicas("DecodeServer", APP)}
