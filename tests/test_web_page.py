@@ -1,34 +1,32 @@
 """The page at GET / in a real headless browser (Debian's chromium, driven by selenium; `make test`
-installs both): a message typed on the page streams its answer, which equals the same request's
-answer from the API, and the phase rows drawn under it are the phases the ingress's trace recorded
-(GET /traces/{id}), with their lengths. One PD app, with an API key: the page says it needs one
-until it is typed; a long message goes through P, the KV hand-off and D (every phase drawn), a
-short one stays on D (pd_local_prefill_tokens), its hand-off and D's queue drawn as absent."""
+installs both): a message typed on the page streams its answer, and the phase rows drawn under it
+are the phases the ingress's trace recorded (GET /traces/{id}), with their lengths. On the kept PD
+app of the agent dialects (float32, every prompt through P) every phase is drawn and the answer
+equals the same request's through the API; the key typed on the page goes as Bearer. On the kept
+colocated OpenAI app the KV hand-off and D's queue are drawn as absent. No app of its own: both
+are the suite's kept apps (tests/serving.py)."""
 
 from __future__ import annotations
 
 from decimal import ROUND_HALF_UP, Decimal
+import json
 import os
 from pathlib import Path
 import tempfile
 
 import httpx
 import pytest
-from ray import serve
 
 from deployments.app import pd_app
-from tests.serving import serve_session
+from dialects.auth import is_open
+from tests.serving import AGENT_APP_ARGS, kept_app, openai_apps
 
 pytestmark = pytest.mark.slow
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-KEY = "page-test-key"
-AUTHORIZED = {"Authorization": f"Bearer {KEY}"}
+KEY = "page-test-key"  # typed on the page; these apps need none, and take a request that carries one
 PHASES = ["queue_ingress", "queue_prefill", "prefill", "kv_transfer", "queue_decode", "decode"]
-LOCAL_PREFILL_TOKENS = 32  # prompts up to this long are computed on D, without P
-SHORT = "Hi!"
-LONG = ("Tell me about the sea: its waves, its tides, the wind over the harbour at night and the boats that "
-        "come home before the storm.")
+MESSAGE = "Tell me about the sea: its waves, its tides and the wind over the harbour at night."
 MAX_TOKENS = 12
 ANSWER_WAIT_S = 120  # a bound on the wait for the page's answer, not a target
 # Where the PD test saves its screenshot when asked; docs/web-page.png is of the real model (docs/operations.md).
@@ -36,13 +34,14 @@ SCREENSHOT = os.environ.get("PDSERVE_WEB_SCREENSHOT")
 
 
 @pytest.fixture(scope="module")
-def base_url():
-    with serve_session() as url:
-        # float32: the page's answer and the API's are compared token for token
-        serve.run(pd_app({"torch_threads": 1, "max_iter_times": 64, "embeddings": False, "dtype": "float32",
-                          "api_key": KEY, "pd_local_prefill_tokens": LOCAL_PREFILL_TOKENS}),
-                  name="pd", route_prefix="/pd")
-        yield url
+def pd_url() -> str:
+    """PD in float32 (the page's answer and the API's are compared token for token), every prompt through P."""
+    return kept_app("agents", lambda: pd_app(AGENT_APP_ARGS))
+
+
+@pytest.fixture(scope="module")
+def colocated_url() -> str:
+    return f"{openai_apps()}/co"
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +53,7 @@ def browser():
         pytest.fail(f"{CHROMEDRIVER} is missing: `make test` installs Debian's chromium and chromium-driver")
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})  # the requests the page sends
     with tempfile.TemporaryDirectory() as profile:
         for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                      "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -72,15 +72,17 @@ def wait_for(driver, condition):
     return WebDriverWait(driver, ANSWER_WAIT_S, poll_frequency=0.2).until(lambda d: condition(d))
 
 
-def ask_on_page(driver, message: str) -> dict:
-    """Type the key and ``message`` (greedy, MAX_TOKENS) on the page and wait until it has answered:
-    the answer shown, the response id, what it says of where the request ran, and each phase row in
-    order: its state, its bars, its length."""
+def ask_on_page(driver, url: str) -> dict:
+    """Open the page at ``url``, type the key and MESSAGE (greedy, MAX_TOKENS) and wait until it has
+    answered: the answer shown, the response id, what it says of where the request ran, each phase
+    row in order (its state, its bars, its length) and the chat request's Authorization header."""
     from selenium.webdriver.common.by import By
 
+    driver.get(url)
+    driver.get_log("performance")  # what earlier pages sent: read and dropped
     find = driver.find_element
     find(By.ID, "key").send_keys(KEY)
-    find(By.ID, "prompt").send_keys(message)
+    find(By.ID, "prompt").send_keys(MESSAGE)
     for field, value in (("max-tokens", MAX_TOKENS), ("temperature", 0)):
         find(By.ID, field).clear()
         find(By.ID, field).send_keys(str(value))
@@ -89,31 +91,29 @@ def ask_on_page(driver, message: str) -> dict:
                      in ("done", "error") and d.find_element(By.TAG_NAME, "body").get_attribute("data-state"))
     assert state == "done", find(By.ID, "status").text
     rows = driver.find_elements(By.CSS_SELECTOR, "#rows .phase")
+    sent = [json.loads(entry["message"])["message"] for entry in driver.get_log("performance")]
+    (chat,) = [m["params"]["request"] for m in sent if m["method"] == "Network.requestWillBeSent"
+               and m["params"]["request"]["url"].endswith("/v1/chat/completions")]
     return {"answer": find(By.ID, "answer").get_property("textContent"), "id": find(By.ID, "response-id").text,
-            "where": find(By.ID, "where").text,
+            "where": find(By.ID, "where").text, "authorization": chat["headers"].get("Authorization"),
             "rows": [(row.get_attribute("data-phase"), row.get_attribute("data-state"),
                       len(row.find_elements(By.CLASS_NAME, "bar")), row.find_element(By.CLASS_NAME, "ms").text)
                      for row in rows]}
 
 
-def api_answer(url: str, message: str) -> str:
+def api_answer(url: str) -> str:
     """The same request through the API, unstreamed."""
-    model = httpx.get(f"{url}/pd/v1/models", headers=AUTHORIZED, timeout=30).json()["data"][0]["id"]
-    body = {"model": model, "messages": [{"role": "user", "content": message}], "max_tokens": MAX_TOKENS,
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": MESSAGE}], "max_tokens": MAX_TOKENS,
             "temperature": 0}
-    response = httpx.post(f"{url}/pd/v1/chat/completions", json=body, headers=AUTHORIZED, timeout=120)
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["message"]["content"]
 
 
-def prompt_tokens(url: str, message: str) -> int:
-    body = {"messages": [{"role": "user", "content": message}]}
-    return httpx.post(f"{url}/pd/tokenize", json=body, headers=AUTHORIZED, timeout=30).json()["count"]
-
-
 def recorded_phases(url: str, response_id: str) -> dict[str, str]:
     """The phases GET /traces/{id} recorded for the request, each with its length as the page writes it."""
-    response = httpx.get(f"{url}/pd/traces/{response_id}", headers=AUTHORIZED, timeout=30)
+    response = httpx.get(f"{url}/traces/{response_id}", timeout=30)
     assert response.status_code == 200, response.text
     (request,) = response.json()["requests"]
     return {phase["name"]: milliseconds(phase["end"] - phase["start"]) for phase in request["phases"]}
@@ -130,32 +130,31 @@ def expected_rows(recorded: dict[str, str]) -> list[tuple]:
             for name in PHASES]
 
 
-def test_the_page_asks_for_the_key_then_streams_through_p_and_d(base_url, browser):
+def test_the_page_is_served_without_the_key():
+    """With an API key the page still loads (it asks for the key itself), at / and at the bare route prefix."""
+    assert is_open("/") and is_open("")  # "": /pd, the route prefix without its slash
+
+
+def test_pd_page_streams_the_answer_and_draws_p_the_handoff_and_d(pd_url, browser):
     from selenium.webdriver.common.by import By
 
-    browser.get(f"{base_url}/pd")  # the route prefix itself: every call goes below it
-    assert browser.find_element(By.ID, "docs-link").get_attribute("href") == f"{base_url}/pd/docs"
-    assert browser.find_element(By.ID, "metrics-link").get_attribute("href") == f"{base_url}/pd/metrics"
-    assert "needs an API key" in wait_for(browser, lambda d: d.find_element(By.ID, "status").text)
-    assert httpx.get(f"{base_url}/pd/traces/none", timeout=30).status_code == 401  # traces need the key too
-
-    assert prompt_tokens(base_url, LONG) > 2 * LOCAL_PREFILL_TOKENS  # P computes it, whatever D caches
-    shown = ask_on_page(browser, LONG)
+    shown = ask_on_page(browser, pd_url)  # the route prefix itself, without its slash: calls go below it
     if SCREENSHOT:
         browser.save_screenshot(SCREENSHOT)
-    assert shown["answer"] and shown["answer"] == api_answer(base_url, LONG)
-    recorded = recorded_phases(base_url, shown["id"])
+    assert browser.find_element(By.ID, "docs-link").get_attribute("href") == f"{pd_url}/docs"
+    assert browser.find_element(By.ID, "metrics-link").get_attribute("href") == f"{pd_url}/metrics"
+    assert shown["authorization"] == f"Bearer {KEY}"
+    assert shown["answer"] and shown["answer"] == api_answer(pd_url)
+    recorded = recorded_phases(pd_url, shown["id"])
     assert list(recorded) == PHASES  # through P, the hand-off and D: every phase
     assert shown["rows"] == expected_rows(recorded)
     assert shown["where"].startswith("PD app: P computed the prompt")
 
 
-def test_a_short_prompt_stays_on_d_and_its_handoff_is_drawn_absent(base_url, browser):
-    browser.get(f"{base_url}/pd/")
-    assert prompt_tokens(base_url, SHORT) <= LOCAL_PREFILL_TOKENS
-    shown = ask_on_page(browser, SHORT)
-    assert shown["answer"] and shown["answer"] == api_answer(base_url, SHORT)
-    recorded = recorded_phases(base_url, shown["id"])
+def test_colocated_page_draws_no_handoff(colocated_url, browser):
+    shown = ask_on_page(browser, f"{colocated_url}/")
+    assert shown["answer"]  # not compared: this app's dtype is the machine's, where a rerun may differ in bf16
+    recorded = recorded_phases(colocated_url, shown["id"])
     assert "kv_transfer" not in recorded and "queue_decode" not in recorded and "prefill" in recorded
     assert shown["rows"] == expected_rows(recorded)
-    assert shown["where"].startswith("PD app, no hand-off")
+    assert shown["where"].startswith("Colocated app")
