@@ -54,11 +54,12 @@ class Workload:
     device: str = "cpu"
 
 
-def make_model(directory: Path) -> Path:
+def make_model(directory: Path, **config_overrides) -> Path:
+    """The random SmolLM-8L model (with ``config_overrides`` on its config) and tiny-llama's tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**SMOLLM_8L)).save_pretrained(directory)
+    LlamaForCausalLM(LlamaConfig(**{**SMOLLM_8L, **config_overrides})).save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ensure_tiny_model() / name, directory / name)
     return directory

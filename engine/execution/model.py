@@ -57,8 +57,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return tiled_linear(x, weight, bias, row_tile)
     if x.device.type != "cpu" or not TINY_BATCH_ROWS <= x.shape[0] <= SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
-    blocks = weight.split(WIDE_OUTPUT_BLOCK) if weight.shape[0] > 2 * WIDE_OUTPUT_BLOCK else (weight,)
-    out = torch.cat([torch.mm(w, x.t()) for w in blocks]).t()  # [N, out], transposed view
+    out = x.new_empty(weight.shape[0], x.shape[0])  # [out, N]: each block's product lands in place
+    if weight.shape[0] > 2 * WIDE_OUTPUT_BLOCK:
+        for w, o in zip(weight.split(WIDE_OUTPUT_BLOCK), out.split(WIDE_OUTPUT_BLOCK)):
+            torch.mm(w, x.t(), out=o)
+    else:
+        torch.mm(weight, x.t(), out=out)
+    out = out.t()  # [N, out], transposed view
     return out + bias if bias is not None else out
 
 
@@ -132,7 +137,7 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             lora.add(("gate", "up"), h, gate_up, (spec.intermediate_size,) * 2)
         gate, up = gate_up.chunk(2, dim=-1)
-        m = F.silu(gate) * up
+        m = F.silu(gate, inplace=True).mul_(up)  # in gate_up's first half: no new [N, I] tensors
         down = linear(m, self.down_proj.weight, self.down_proj.bias, self.row_tile)
         if lora is not None:
             lora.add(("down",), m, down, (spec.hidden_size,))
