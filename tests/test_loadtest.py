@@ -3,11 +3,9 @@
 import json
 
 import pytest
-from ray import serve
 
 from benchmarks.loadtest import main as loadtest
-from deployments.app import pd_app
-from tests.serving import serve_session
+from tests.serving import openai_apps
 
 VLLM_FIELDS = {"completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms",
                "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms",
@@ -17,9 +15,7 @@ VLLM_FIELDS = {"completed", "failed", "request_throughput", "output_throughput",
 
 @pytest.fixture(scope="module")
 def base_url():
-    with serve_session() as url:
-        serve.run(pd_app({"torch_threads": 1, "embeddings": False}), name="pd", route_prefix="/")
-        yield url
+    return f"{openai_apps()}/pd"  # the suite's kept PD app
 
 
 @pytest.mark.parametrize("endpoint,load", [("infer_token", ["--request-rate", "20", "--sample-replicas", "0.1"]),
