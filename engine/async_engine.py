@@ -85,7 +85,8 @@ class AsyncEngine:
         self._stopped = False
         self._finished: collections.Counter[str] = collections.Counter()
         self._step_started: float | None = None  # time.monotonic() when the step running now began
-        self._hang_s = 0.0  # fault hook: the next step first sleeps this long (hang_next_step)
+        self._hang_s = 0.0  # fault hook: the next step first waits this long (hang_next_step)...
+        self._hang_over = threading.Event()  # ... or until this is set (end_hang)
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -116,18 +117,11 @@ class AsyncEngine:
                    for output in batch]
         return sorted(outputs, key=lambda output: output.index)
 
-    async def decode(self, request: GenerationRequest, prefill: PrefillResult, lora: LoraAdapter | None = None
-                     ) -> AsyncIterator[RequestOutput | KVWanted]:
-        """Import P's KV and stream the tokens after the first. When ``prefill.kv.data`` is None,
-        the first item is a ``KVWanted``, once the request holds blocks for the KV: fetch the
-        bytes then and hand them over with ``receive_kv``."""
-        async for batch in self.decode_batches(request, prefill, lora):
-            for output in batch:
-                yield output
-
     async def decode_batches(self, request: GenerationRequest, prefill: PrefillResult,
                              lora: LoraAdapter | None = None) -> AsyncIterator[list[RequestOutput | KVWanted]]:
-        """``decode``'s items, as batches (``generate_batches``); a ``KVWanted`` may share one."""
+        """Import P's KV and stream the tokens after the first, in batches (``generate_batches``).
+        When ``prefill.kv.data`` is None, a ``KVWanted`` comes first, once the request holds blocks
+        for the KV: fetch the bytes then and hand them over with ``receive_kv``; it may share a batch."""
         async for batch in self._submit(request, Mode.DECODE, prefill, lora):
             yield batch
 
@@ -181,10 +175,16 @@ class AsyncEngine:
         return time.monotonic() - started if started is not None else 0.0
 
     def hang_next_step(self, seconds: float) -> None:
-        """Fault injection: the next step sleeps ``seconds`` before it runs, as a step stuck in a
-        kernel or a collective would. Servers let only tests call it (deployments/servers.py)."""
+        """Fault injection: the next step waits ``seconds`` (or until ``end_hang``) before it runs,
+        as a step stuck in a kernel or a collective would. Servers let only tests call it
+        (deployments/servers.py)."""
+        self._hang_over.clear()
         self._hang_s = seconds
         self._wake.set()
+
+    def end_hang(self) -> None:
+        """Fault injection: a step hung by ``hang_next_step`` goes on now."""
+        self._hang_over.set()
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -258,7 +258,7 @@ class AsyncEngine:
         try:
             if self._hang_s:
                 hang, self._hang_s = self._hang_s, 0.0
-                time.sleep(hang)
+                self._hang_over.wait(hang)
             outputs = self.engine.step()
         except Exception as error:  # keep serving: fail the running requests, not the server
             logger.exception("engine step failed")

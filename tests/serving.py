@@ -162,12 +162,13 @@ def sigkill(process: psutil.Process) -> None:
     assert not process.is_running()
 
 
-def replicas(deployment: str, app: str | None = None) -> set[str]:
-    """The names of a deployment's live replica actors (of ``app`` only, when given). A replica's
-    actor name is its full Serve id, "SERVE_REPLICA::<app>#<deployment>#<unique id>"."""
+def replicas(deployment: str, app: str) -> set[str]:
+    """The names of the live replica actors of ``app``'s ``deployment`` (the suite's shared Ray runs
+    other modules' kept apps beside it). A replica's actor name is its full Serve id,
+    "SERVE_REPLICA::<app>#<deployment>#<unique id>"."""
     import ray
 
-    part = f"::{app}#{deployment}#" if app is not None else f"#{deployment}#"
+    part = f"::{app}#{deployment}#"
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if part in a["name"]}
 
 

@@ -52,7 +52,7 @@ def base_url():
 
 
 def decode_replicas() -> set[str]:
-    return replicas("DecodeServer")
+    return replicas("DecodeServer", "pd")
 
 
 def bodies(stream: bool) -> list[tuple[str, dict]]:

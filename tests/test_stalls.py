@@ -55,8 +55,9 @@ def test_the_step_watchdog_reads_a_hung_step_and_only_while_it_runs():
     engine = AsyncEngine(EngineConfig(model="tiny-llama"))
     try:
         assert engine.step_running_s() == 0.0
-        engine.hang_next_step(2.0)
+        engine.hang_next_step(60.0)  # until end_hang: the verdict does not depend on this thread's timing
         assert wait_until(lambda: engine.step_running_s() > 1.0, 30, 0.05)  # the hung step, still running
+        engine.end_hang()
         assert wait_until(lambda: engine.step_running_s() == 0.0, 30, 0.05)  # it ended: nothing running
         assert engine.is_alive()
     finally:
@@ -72,10 +73,11 @@ def test_the_fault_hook_is_refused_without_the_test_setting(monkeypatch):
         with pytest.raises(PermissionError):
             server.hang_next_step(60)
         monkeypatch.setenv("PDSERVE_FAULT_HOOKS", "1")
-        server.hang_next_step(3)
+        server.hang_next_step(60)  # until end_hang
         assert wait_until(lambda: not server.responsive(), 30, 0.05)  # past step_timeout_s (0.5 s)
         with pytest.raises(RuntimeError, match="step_timeout_s"):
             server.check_health()
+        server.engine.end_hang()
         assert wait_until(server.responsive, 30, 0.05)
         server.check_health()
     finally:

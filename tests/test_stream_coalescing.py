@@ -60,10 +60,12 @@ async def read_behind(engine: AsyncEngine, request: GenerationRequest) -> list[l
     done_before = await finished_count(engine)
     batches = engine.generate_batches(request)
     taken = [await anext(batches)]
-    for _ in range(500):  # bounded: the engine ends a 24-token request in a few hundred ms
+    for _ in range(3000):  # bounded: the engine ends a 24-token request in a few hundred ms
         if await finished_count(engine) >= done_before + request.n:
             break
         await asyncio.sleep(0.02)
+    else:
+        pytest.fail(f"{request.request_id} did not end within 60 s")
     # The last outputs are delivered just after the count moves: a request after it ends later,
     # so once its stream is over, every output of ``request`` waits in its outbox.
     barrier = GenerationRequest(f"{request.request_id}-barrier", [3, 4], params(max_new_tokens=1))
