@@ -2,8 +2,9 @@
 
 One run, one machine, back to back, the same model directory and the same token ids: a random
 model shaped like SmolLM-135M cut to 8 layers (benchmarks/engine_throughput.py, with room for
-2,048-token prompts), greedy, EOS ignored. For each server: start it, one warm-up round, then each
-workload once with fresh prompts (no prefix-cache hits), then stop it. A workload sends all its
+2,048-token prompts), greedy, EOS ignored. For each server: start it, one small warm-up round, then
+each workload ``--rounds`` times with fresh prompts (no prefix-cache hits), the last round reported
+(warm), then stop it. A workload sends all its
 requests at once as streamed ``/v1/completions`` with token-id prompts; output tokens are read
 from each stream's final usage. Default workloads: 32 and 128 requests x 128 prompt ids, and
 16 requests x 2,048 prompt ids, each 64 tokens out.
@@ -85,13 +86,15 @@ async def run_round(url: str, prompts: list[list[int]], output_len: int) -> dict
     return {"tok_s": sum(t for t, _ in results) / seconds, "mean_ttft_s": sum(f for _, f in results) / len(results)}
 
 
-def measure(url: str, workloads: list[Workload]) -> dict[str, dict]:
+def measure(url: str, workloads: list[Workload], rounds: int) -> dict[str, dict]:
+    """Each workload ``rounds`` times, fresh prompts each time; the last round is the one kept (warm)."""
     asyncio.run(run_round(url, Workload(4, 64, 8).prompts(0), 8))  # warm-up
-    return {w.name: asyncio.run(run_round(url, w.prompts(seed), w.output_len))
-            for seed, w in enumerate(workloads, start=1)}
+    return {w.name: [asyncio.run(run_round(url, w.prompts(100 * i + r), w.output_len)) for r in range(rounds)][-1]
+            for i, w in enumerate(workloads, start=1)}
 
 
-def run_vllm(model_dir: Path, dtype: str, threads: int, workloads: list[Workload], venv: Path) -> dict | None:
+def run_vllm(model_dir: Path, dtype: str, threads: int, workloads: list[Workload], rounds: int,
+             venv: Path) -> dict | None:
     python = venv / "bin" / "python"
     if not python.exists():
         print(f"vLLM: {python} is missing (make bench-vllm); left out", file=sys.stderr)
@@ -109,7 +112,7 @@ def run_vllm(model_dir: Path, dtype: str, threads: int, workloads: list[Workload
         if not wait_until(lambda: _healthy(url) or server.poll() is not None, START_LIMIT_S, 2) or server.poll():
             print(f"vLLM did not start; its log:\n{log.read_text()[-3000:]}", file=sys.stderr)
             return None
-        return measure(url, workloads)
+        return measure(url, workloads, rounds)
     finally:
         server.terminate()
         try:
@@ -125,7 +128,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def run_pdserve(kind: str, model_dir: Path, dtype: str, threads: int, workloads: list[Workload]) -> dict:
+def run_pdserve(kind: str, model_dir: Path, dtype: str, threads: int, workloads: list[Workload], rounds: int) -> dict:
     from ray import serve
 
     from deployments.app import colocated_app, pd_app
@@ -141,7 +144,7 @@ def run_pdserve(kind: str, model_dir: Path, dtype: str, threads: int, workloads:
                          {"ray_actor_options": {"num_cpus": half}})
         serve.run(app, name=kind, route_prefix="/")
         assert wait_until(lambda: _healthy(url), START_LIMIT_S, 2), f"pdserve {kind} did not become healthy"
-        return measure(url, workloads)
+        return measure(url, workloads, rounds)
 
 
 def main() -> None:
@@ -150,6 +153,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--servers", default="vllm,colocated,pd")
     parser.add_argument("--workloads", default="32x128,128x128,16x2048", help="REQUESTSxPROMPT_LEN,...")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per workload; the last is reported")
     parser.add_argument("--model", type=Path, help="a model directory to serve instead of the random SmolLM-8L")
     parser.add_argument("--vllm-venv", type=Path, default=Path(__file__).resolve().parents[1] / ".venv-vllm")
     parser.add_argument("--json", type=Path)
@@ -160,9 +164,9 @@ def main() -> None:
         model_dir = args.model or make_model(Path(tmp) / "smollm-8l", max_position_embeddings=4096)
         for server in args.servers.split(","):
             if server == "vllm":
-                measured = run_vllm(model_dir, args.dtype, args.threads, workloads, args.vllm_venv)
+                measured = run_vllm(model_dir, args.dtype, args.threads, workloads, args.rounds, args.vllm_venv)
             else:
-                measured = run_pdserve(server, model_dir, args.dtype, args.threads, workloads)
+                measured = run_pdserve(server, model_dir, args.dtype, args.threads, workloads, args.rounds)
             if measured is not None:
                 results[server] = measured
     print(f"served, {args.dtype}, {args.threads} threads; output tok/s (mean TTFT s), ratio to vLLM")
