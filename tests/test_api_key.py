@@ -85,3 +85,15 @@ def test_operations_stay_open(base_url):
     assert httpx.get(f"{base_url}/metrics", timeout=60).status_code == 200
     assert httpx.get(f"{base_url}/health", timeout=60).status_code in (200, 503)  # open: never a 401
     assert httpx.get(f"{base_url}/openapi.json", timeout=60).status_code == 200
+
+
+@pytest.mark.slow
+def test_the_page_is_open_but_a_trace_needs_the_key(base_url):
+    """The page at / asks for the key itself (tests/test_web_page.py drives it); what it reads needs it."""
+    for page in (base_url, f"{base_url}/"):  # the bare prefix redirects to the page, without the key
+        served = httpx.get(page, timeout=60, follow_redirects=True)
+        assert served.status_code == 200 and "text/html" in served.headers["content-type"], page
+    refused = httpx.get(f"{base_url}/traces/chatcmpl-none", timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    keyed = httpx.get(f"{base_url}/traces/chatcmpl-none", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert keyed.status_code == 404  # past the key: no such trace
