@@ -87,8 +87,15 @@ def openai_apps() -> str:
 # greedy answers to compare with chat's), no embedder, every prompt through P. max_iter_times: a call
 # with an enum argument takes ~40 of tiny-llama's tokens.
 AGENT_APP_CAP = 96
-AGENT_APP_ARGS = {"torch_threads": 1, "max_iter_times": AGENT_APP_CAP, "dtype": "float32", "embeddings": False,
-                  "pd_local_prefill_tokens": 0}
+
+
+def agents_app() -> str:
+    """The base URL of the kept agents app ("/agents")."""
+    from deployments.app import pd_app
+
+    args = {"torch_threads": 1, "max_iter_times": AGENT_APP_CAP, "dtype": "float32", "embeddings": False,
+            "pd_local_prefill_tokens": 0}
+    return kept_app("agents", lambda: pd_app(args))
 
 
 def shared_url() -> str:

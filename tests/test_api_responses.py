@@ -16,8 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from deployments.app import pd_app
-from tests.serving import AGENT_APP_ARGS, AGENT_APP_CAP, kept_app
+from tests.serving import AGENT_APP_CAP, agents_app
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"
@@ -30,7 +29,7 @@ WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The w
 
 @pytest.fixture(scope="module")
 def base_url():
-    return kept_app("agents", lambda: pd_app(AGENT_APP_ARGS))
+    return agents_app()
 
 
 def client(base_url) -> openai.OpenAI:

@@ -17,9 +17,8 @@ import tempfile
 import httpx
 import pytest
 
-from deployments.app import pd_app
 from dialects.auth import is_open
-from tests.serving import AGENT_APP_ARGS, kept_app, openai_apps
+from tests.serving import agents_app, openai_apps
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +35,7 @@ SCREENSHOT = os.environ.get("PDSERVE_WEB_SCREENSHOT")
 @pytest.fixture(scope="module")
 def pd_url() -> str:
     """PD in float32 (the page's answer and the API's are compared token for token), every prompt through P."""
-    return kept_app("agents", lambda: pd_app(AGENT_APP_ARGS))
+    return agents_app()
 
 
 @pytest.fixture(scope="module")
