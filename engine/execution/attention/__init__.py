@@ -78,9 +78,8 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     if name == "torch_sdpa":
         return torch_sdpa.BACKEND
-    if name == "auto" and not batch_invariant:
-        runs = device.type == "cpu" and dtype in cpu_paged.DTYPES and cpu_paged.available()
-        return cpu_paged.backend(all_rows=False) if runs else torch_sdpa.BACKEND
+    if name == "auto" and not batch_invariant:  # cpu_paged wherever it runs: where it could be batch-invariant
+        return cpu_paged.backend(all_rows=False) if batch_invariant_supported(device, dtype) else torch_sdpa.BACKEND
     # cpu_paged, by name or because batch invariance needs it
     if not (device.type == "cpu" and dtype in cpu_paged.DTYPES):
         raise ValueError(f"attention_backend: cpu_paged (which batch_invariant needs) runs on the CPU in "

@@ -269,11 +269,11 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     const auto* v_ptr = v_cache.data_ptr<scalar_t>();
     auto* out_ptr = out.data_ptr<scalar_t>();
     const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+    // The common shapes compiled with fixed sizes (see attend_task), any other with sizes read at run time.
+    auto task_fn = &attend_task<scalar_t, 0, 0>;
+    if (block_size == 16 && head_dim == 64) task_fn = &attend_task<scalar_t, 16, 64>;
+    if (block_size == 16 && head_dim == 128) task_fn = &attend_task<scalar_t, 16, 128>;
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      // The common shapes compiled with fixed sizes (see attend_task), any other with sizes read at run time.
-      auto task_fn = &attend_task<scalar_t, 0, 0>;
-      if (block_size == 16 && head_dim == 64) task_fn = &attend_task<scalar_t, 16, 64>;
-      if (block_size == 16 && head_dim == 128) task_fn = &attend_task<scalar_t, 16, 128>;
       for (int64_t t = next++; t < num_tasks; t = next++)
         task_fn(tasks[t], q_ptr, k_ptr, v_ptr, out_ptr, tables.data_ptr<int32_t>(), tables.size(1),
                 group_row.data_ptr<int64_t>(), positions, num_heads,
