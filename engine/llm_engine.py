@@ -15,6 +15,10 @@ each with its own seed (``sampling.params.choice_seed``).
 
 A decoding sequence may verify draft tokens in its step (engine/decoding/draft_steps.py), and a request
 may run with a LoRA adapter (engine/execution/lora.py) in the same steps as requests without one.
+
+This file keeps the loop; its other jobs are mixins beside it: a request's checks
+(engine/validation.py), PREFILL's hand-over to D (engine/prefill_handover.py), beams and drafts
+(engine/decoding/), and the synchronous runs of tests and benchmarks (engine/offline.py).
 """
 
 from __future__ import annotations
@@ -23,27 +27,28 @@ import itertools
 import logging
 import random
 import time
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from engine.decoding.beam_search import BeamGroup
-from engine.decoding.beam_steps import BeamSteps
 from engine.block_manager import BlockCounts, BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.decoding.beam_search import BeamGroup
+from engine.decoding.beam_steps import BeamSteps
 from engine.decoding.draft_steps import DraftSteps
-from engine.kv_transfer import KVPayload, check_compatible
+from engine.decoding.speculative import Drafter
+from engine.detokenizer import IncrementalDetokenizer
 from engine.execution.loader import load_model
 from engine.execution.lora import LoraAdapter, ModelShape
 from engine.execution.model_runner import ModelRunner, StepResult, kv_pool_blocks
-from engine.outputs import (ABORT, EOS, LENGTH, STOP, TIMEOUT, ChoiceStart, PrefillResult, RequestOutput,
-                            TokenLogprob)
+from engine.kv_transfer import KVPayload
+from engine.offline import OfflineRuns
+from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, PrefillResult, RequestOutput, Sampled, TokenLogprob
+from engine.prefill_handover import PrefillHandOver
 from engine.prefix_holds import PrefixHolds
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.decoding.speculative import Drafter
+from engine.validation import RequestValidation
 from sampling import SamplerOutput, SamplingParams, SamplingRow
 from sampling.grammar import GrammarCompiler, GrammarDeadEnd, Matcher, MatcherState
 from sampling.params import MAX_SEED, choice_seed
@@ -51,15 +56,7 @@ from sampling.params import MAX_SEED, choice_seed
 logger = logging.getLogger(__name__)
 
 
-class Sampled(NamedTuple):
-    """One sampled row: the token, its logprob when asked for, its raw logits [1, V] when asked for."""
-
-    token_id: int
-    logprob: TokenLogprob | None
-    logits: np.ndarray | None
-
-
-class LLMEngine(BeamSteps, DraftSteps):
+class LLMEngine(RequestValidation, PrefillHandOver, BeamSteps, DraftSteps, OfflineRuns):
     def __init__(self, config: EngineConfig) -> None:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
@@ -94,54 +91,6 @@ class LLMEngine(BeamSteps, DraftSteps):
                     self.runner.attention.name, "on" if self.runner.batch_invariant else "off")
 
     # ---- requests in -------------------------------------------------------------------
-
-    def validate(self, request: GenerationRequest, mode: Mode = Mode.GENERATE,
-                 prefill: PrefillResult | None = None, lora: LoraAdapter | None = None) -> None:
-        """Raise ValueError (message starting with the field's name) if the request can never run.
-        ``lora``: the weights of the request's adapter (``request.lora`` names it)."""
-        table = request.prompt_table
-        prompt_ids_end = self.vocab_size + (table.size if table is not None else 0)  # p-tuning ids past the vocabulary
-        drafts = request.draft.token_ids if request.draft is not None else []
-        for name, ids, end in (("prompt_token_ids", request.prompt_token_ids, prompt_ids_end),
-                               ("parameters", request.params.token_ids_in_use(), self.vocab_size),
-                               ("resumed_output_ids", request.resumed_output_ids, self.vocab_size),
-                               ("draft_input_ids", drafts, self.vocab_size)):
-            bad = [t for t in ids if not 0 <= t < end]
-            if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {end})")
-        if table is not None:
-            hidden = self.loaded.spec.hidden_size
-            if table.embeddings.ndim != 2 or table.embeddings.shape[1] != hidden:
-                raise ValueError(f"prompt_embedding_table: shape {list(table.embeddings.shape)}, this model needs "
-                                 f"[prompt_vocab_size, {hidden}]")
-            if request.params.prompt_logprobs is not None:
-                raise ValueError("prompt_logprobs: a prompt with p-tuning ids has no token to score at those ids")
-        if request.draft is not None:
-            self._validate_drafts(request)
-        if (request.lora is None) != (lora is None) or lora is not None and lora.ref != request.lora:
-            raise ValueError("lora: the engine must be given the weights of the adapter the request names")
-        if lora is not None:
-            lora.check(self.lora_shape, self.config.max_lora_rank)
-        if request.prompt_lookup and (request.params.beam_width > 1 or request.params.grammar is not None):
-            raise ValueError("prompt_lookup: beam search and grammars (response_format, tools) run without drafts")
-        if len(request.resumed_output_ids) >= request.params.max_new_tokens:
-            raise ValueError("resumed_output_ids: the request already has max_new_tokens tokens")
-        if request.params.grammar is not None:
-            self.grammars.check(request.params.grammar)  # compiled here, on the caller's thread, once per digest
-        n = request.num_context_tokens  # what P computes, D imports
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt_token_ids: {n} tokens leave no room to generate within the maximum "
-                             f"length of {self.max_model_len} (the model's, or the KV pool's)")
-        if mode is Mode.DECODE:
-            if prefill is None or not prefill.choices:
-                raise ValueError("prefill: decode needs the prefill result with at least one choice")
-            check_compatible(prefill.kv.meta, self.runner.kv_meta(n), n)
-            bound = max(request.n, request.params.beam_width)  # P's running beams come as choices
-            bad = [c.index for c in prefill.choices if not 0 <= c.index < bound]
-            if bad:
-                raise ValueError(f"prefill.choices: choice {bad[0]} is outside [0, {bound})")
-        if request.params.beam_width > 1 and (request.n != 1 or request.resumed_output_ids):
-            raise ValueError("beam_width: beam search runs one choice (n=1) and is never resumed")
 
     def add_request(self, request: GenerationRequest, mode: Mode = Mode.GENERATE,
                     prefill: PrefillResult | None = None, kv_export_start: int = 0,
@@ -426,50 +375,6 @@ class LLMEngine(BeamSteps, DraftSteps):
         decode_side = seq.mode is Mode.DECODE or self.config.first_token_from_prefill
         return seq.num_output_tokens - (1 if decode_side and seq.num_output_tokens else 0)
 
-    def _hand_over(self, seq: Sequence, firsts: list[tuple[PendingChoice, Sampled]]) -> list[RequestOutput]:
-        """PREFILL mode, the prompt computed: each choice reports its first token; those that it
-        does not finish go to D with one export of the prompt's KV. The blocks are freed here."""
-        seq.first_token_time = time.time()
-        outputs, going = [], []
-        for choice, (token, logprob, logits) in firsts:
-            # The choice as it stands after this token (a resumed request's earlier output before
-            # it), never scheduled: its detokenizer and grammar state are made here and dropped.
-            probe = seq.fork(choice)
-            probe.token_ids = list(seq.token_ids)
-            detok = self._detokenizer(probe)
-            probe.token_ids.append(token)
-            text, stopped = detok.add(token)
-            complete = probe.params.grammar is not None and self.grammars.matcher(probe.params.grammar,
-                                                                                  probe.output_ids).is_stopped()
-            reason = self._finish_reason(probe, token, complete or stopped)
-            output = RequestOutput(
-                request_id=seq.request_id, new_token_ids=[token], new_text=text,
-                num_output_tokens=probe.num_output_tokens, finished=reason is not None, finish_reason=reason,
-                seed=choice.seed, logprobs=[logprob] if logprob else [],
-                cumulative_logprob=seq.cumulative_logprob + logprob.logprob if logprob else None,
-                first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
-                scheduled_time=seq.scheduled_time, index=choice.index,
-                prompt_logprobs=seq.prompt_logprobs, context_logits=self._context_logits(seq), generation_logits=logits)
-            if output.finished:
-                output.new_text += detok.finish()
-                output.output_token_ids, output.text = probe.output_ids, detok.text
-            else:
-                going.append((output, ChoiceStart(choice.index, token, logprob, choice.seed)))
-            outputs.append(output)
-        if going:
-            result = self._prefill_result(seq, [c for _, c in going])
-            for output, _ in going:
-                output.prefill = result
-        self._release(seq)
-        return outputs
-
-    def _prefill_result(self, seq: Sequence, choices: list[ChoiceStart], **beams) -> PrefillResult:
-        """PREFILL: what D needs to go on from ``seq``'s prompt: ``choices`` and one export of its KV
-        (from ``kv_export_start``); ``beams``: beam search's state and first logits."""
-        start = seq.kv_export_start
-        kv = KVPayload(self.runner.kv_meta(seq.num_tokens, start), self.runner.export_kv(seq, start))
-        return PrefillResult(seq.request_id, choices, kv, (seq.first_token_time - seq.arrival_time) * 1000.0, **beams)
-
     def _finish(self, seq: Sequence, reason: str, tokens: list[int], text: str,
                 logprobs: list[TokenLogprob], error: str | None = None,
                 logits: np.ndarray | None = None) -> list[RequestOutput]:
@@ -527,50 +432,3 @@ class LLMEngine(BeamSteps, DraftSteps):
     def _context_logits(seq: Sequence) -> np.ndarray | None:
         return seq.context_logits.numpy() if seq.context_logits is not None else None
 
-    # ---- synchronous helpers (tests, benchmarks, the CLI) ------------------------------
-
-    def run_to_completion(self) -> dict[str, list[RequestOutput]]:
-        """Step until no request is left; every output, grouped by request (choices interleaved)."""
-        streams: dict[str, list[RequestOutput]] = {}
-        while self.has_work():
-            for out in self.step():
-                streams.setdefault(out.request_id, []).append(out)
-        return streams
-
-    @staticmethod
-    def final_choices(streams: dict[str, list[RequestOutput]]) -> dict[str, list[RequestOutput]]:
-        """Each request's last output per choice, by choice index."""
-        finals: dict[str, list[RequestOutput]] = {}
-        for rid, outs in streams.items():
-            last = {out.index: out for out in outs}
-            finals[rid] = [last[i] for i in sorted(last)]
-        return finals
-
-    def generate_choices(self, requests: list[GenerationRequest], loras: list[LoraAdapter] = ()
-                         ) -> dict[str, list[RequestOutput]]:
-        """Run requests together to the end; each request's last output per choice. ``loras``:
-        the adapters the requests name."""
-        for request in requests:
-            self.add_request(request, lora=_named(request, loras))
-        return self.final_choices(self.run_to_completion())
-
-    def generate(self, requests: list[GenerationRequest], loras: list[LoraAdapter] = ()) -> dict[str, RequestOutput]:
-        """Run requests together to the end; each request's last output (its first choice's)."""
-        return {rid: outs[0] for rid, outs in self.generate_choices(requests, loras).items()}
-
-    def prefill(self, requests: list[GenerationRequest], loras: list[LoraAdapter] = ()) -> dict[str, RequestOutput]:
-        """PREFILL mode to the end; each request's first choice's output (``prefill`` set when it goes on)."""
-        for request in requests:
-            self.add_request(request, Mode.PREFILL, lora=_named(request, loras))
-        return {rid: outs[0] for rid, outs in self.final_choices(self.run_to_completion()).items()}
-
-    def decode(self, pairs: list[tuple[GenerationRequest, PrefillResult]], loras: list[LoraAdapter] = ()
-               ) -> dict[str, RequestOutput]:
-        for request, prefill in pairs:
-            self.add_request(request, Mode.DECODE, prefill, lora=_named(request, loras))
-        return {rid: outs[0] for rid, outs in self.final_choices(self.run_to_completion()).items()}
-
-
-def _named(request: GenerationRequest, loras: list[LoraAdapter]) -> LoraAdapter | None:
-    """The adapter among ``loras`` that ``request`` names, if it names one."""
-    return next((a for a in loras if a.ref == request.lora), None) if request.lora is not None else None

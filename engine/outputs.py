@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -22,6 +22,14 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-N alternatives, (id, logprob)
+
+
+class Sampled(NamedTuple):
+    """One sampled row of a step: the token, its logprob when asked for, its raw logits [1, V] when asked for."""
+
+    token_id: int
+    logprob: TokenLogprob | None
+    logits: np.ndarray | None
 
 
 @dataclass
