@@ -90,9 +90,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' formula, operation for operation (torch's fused ``rms_norm`` sums in another
+        order: other bits in float32); the last product lands in the normalised tensor, a new one."""
         x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        if normed.dtype != self.weight.dtype:  # the product takes the wider dtype, as transformers' does
+            return self.weight * normed
+        return normed.mul_(self.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -145,10 +149,19 @@ class DecoderLayer(nn.Module):
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, H, D]; cos/sin [N, D] (halves duplicated, as transformers' rotate_half expects)."""
+    """x [N, H, D]; cos/sin [N, D] (halves duplicated, as transformers' rotate_half expects).
+
+    transformers' ``x * cos + rotate_half(x) * sin`` half by half, without building rotate_half(x):
+    x1 * c - x2 * s and x2 * c + x1 * s are the same roundings in the same order (negation is
+    exact), so the same bits, with two half-size temporaries instead of four full ones."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]  # [N, H, D/2]
+    c, s = cos[:, None, :half], sin[:, None, :half]  # [N, 1, D/2]: both halves of the tables are equal
+    out = torch.empty_like(x)
+    out1, out2 = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=out1).sub_(x2 * s)
+    torch.mul(x2, c, out=out2).add_(x1 * s)
+    return out
 
 
 class DecoderModel(nn.Module):
