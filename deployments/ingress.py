@@ -5,43 +5,41 @@ One FastAPI app behind ``@serve.ingress``; it holds handles to the engine deploy
 It binds the HTTP dialects (dialects/: MindIE's /infer_token in dialects/mindie.py, the
 OpenAI-compatible /v1 API in dialects/openai_api.py, OpenAI's Responses in dialects/responses.py,
 Anthropic's Messages in dialects/anthropic.py) to the backends; the dialects never see Ray.
-"""
 
+Its routes: the generation dialects here; the operations routes (/health, models, the schema,
+the page, traces, metrics) in deployments/operation_routes.py; the FastAPI app with its error
+handlers and middleware in deployments/http_app.py.
+"""
 
 import asyncio
 import base64
 import json
-from pathlib import Path
-import time
 from typing import AsyncIterator
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 import numpy as np
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from deployments import routing
 from deployments.admission import Admission, Overloaded, admitted
 from deployments.backends import ColocatedBackend, PDBackend, merge
 from deployments.config import AppArgs
-from deployments.failures import client_error, on_unexpected_error
+from deployments.failures import client_error
 from deployments.health import Readiness, describe
+from deployments.http_app import ENGINE_WAIT_S, GENERATION, SSE, app
 from deployments.metrics import IngressMetrics
 from deployments.migration import migrating
+from deployments.operation_routes import OperationRoutes
 from deployments.tracing import RecentTraces, RequestTrace, SpanWriter, log_line, traced
-from dialects import anthropic, auth, mindie, responses
+from dialects import anthropic, mindie, responses
 from dialects.anthropic_schema import CountTokensRequest, MessagesRequest
-from dialects.errors import (APIError, documented, error_response, on_api_error, on_http_error,
-                             on_validation_error)
+from dialects.errors import APIError, documented
 from dialects.openai_api import Choice, OpenAIFrontend, now_seconds
 from dialects.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from dialects.openai_stream import StreamWriter
-from dialects.openapi_doc import Served, openapi_schema
 from dialects import tokenize as tokenize_api
 from dialects.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from dialects.responses_schema import ResponsesRequest
@@ -49,62 +47,6 @@ from engine.execution.lora import LoraRef, ModelShape, from_trtllm
 from engine.model_info import ModelInfo
 from engine.outputs import TIMEOUT, RequestOutput
 from engine.request import GenerationRequest
-
-# /openapi.json and /docs are the Ingress's own routes: the schema carries the served model's limits.
-app = FastAPI(title="pdserve", description="LLM serving with prefill/decode disaggregation on Ray Serve",
-              openapi_url=None, docs_url=None, redoc_url=None)
-
-
-def in_route_dialect(handler):
-    """An error handler whose answers on Anthropic's routes take Anthropic's shape."""
-    async def handle(request: Request, error: Exception) -> JSONResponse:
-        response = await handler(request, error)
-        return anthropic.from_openai_error(response) if anthropic.is_route(request.url.path) else response
-    return handle
-
-
-app.add_exception_handler(APIError, in_route_dialect(on_api_error))
-app.add_exception_handler(RequestValidationError, in_route_dialect(on_validation_error))
-app.add_exception_handler(StarletteHTTPException, in_route_dialect(on_http_error))
-app.add_exception_handler(Exception, in_route_dialect(on_unexpected_error))
-
-WEB_PAGE = (Path(__file__).parent / "web" / "index.html").read_text()  # GET /: try the model in a browser
-ENGINE_WAIT_S = 5.0  # the longest any endpoint waits for a deployment's info before a 503
-SSE = "text/event-stream"
-# What a generation route can answer: JSON, or server-sent events when "stream" is true; 400 bad
-# input, 404 a model not served, 408 a timeout before the first token, 413 a body too large,
-# 503 engines not ready or Ray Serve's back-pressure.
-GENERATION = {200: {"content": {"application/json": {}, SSE: {}}},
-              **documented(400, 404, 408, 413, 503)}
-
-
-@app.middleware("http")
-async def limit_and_count(request: Request, call_next):
-    """401 on a model route without the API key (dialects/auth.py), 413 for bodies over the cap,
-    each in the route's dialect; count every request by endpoint, status and priority."""
-    request.state.arrival = time.time()  # the start of the request's trace (deployments/tracing.py)
-    path, refusal = auth.route_path(request.scope), None
-    if not auth.is_open(path):
-        try:
-            auth.check_api_key(request.app.state.api_key, request.headers, x_api_key=anthropic.is_route(path))
-        except APIError as error:
-            refusal = error.response()
-            refusal.headers["WWW-Authenticate"] = "Bearer"
-    limit = request.app.state.max_body_bytes
-    declared = request.headers.get("content-length")
-    if refusal is None and (int(declared) > limit if declared and declared.isdigit()
-                            else len(await request.body()) > limit):
-        refusal = error_response(413, f"the request body exceeds {limit} bytes", None, "body_too_large")
-    if refusal is not None:
-        response = anthropic.from_openai_error(refusal) if anthropic.is_route(path) else refusal
-    else:
-        response = await call_next(request)
-    metrics: IngressMetrics = request.app.state.metrics
-    route = request.scope.get("route")  # the matched route's template: bounded label values
-    metrics.requests.labels(route.path if route else "unmatched", str(response.status_code),
-                            str(getattr(request.state, "priority", "-"))).inc()
-    return response
-
 
 # Helpers the Ingress calls are defined above it: the class is captured when @serve.ingress runs,
 # and functions defined further down were missing in the replica (NameError).
@@ -149,7 +91,7 @@ def openai_error_events(error: BaseException) -> str:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(app)
-class Ingress:
+class Ingress(OperationRoutes):
     def __init__(self, args: AppArgs, lora_store=None, llm=None, prefill=None, decode=None, embedder=None) -> None:
         """``lora_store``: the app's LoraStore (deployments/lora_store.py); None serves no adapters."""
         self.args = args
@@ -440,82 +382,3 @@ class Ingress:
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=documented(400, 404, 413, 503))
     async def detokenize(self, body: DetokenizeRequest):
         return tokenize_api.detokenize(await self.frontend(), body)
-
-    # ---- operations --------------------------------------------------------------------
-
-    @app.get("/health", responses={503: {"description": "not ready: which deployment, and why"}})
-    async def health(self):
-        """200 once a canary request went through every engine deployment (P, the KV hand-off
-        and D; or the colocated engine) within the last seconds; else 503 naming each deployment
-        that is missing, pending or failing (deployments/health.py)."""
-        ready, body = await self.readiness.check()
-        return body if ready else JSONResponse(body, status_code=503)
-
-    @app.get("/v1/models", responses=documented(503))
-    async def models(self):
-        return {"object": "list", "data": await self.model_cards()}
-
-    @app.get("/v1/models/{model_id}", responses=documented(404, 503))
-    async def model(self, model_id: str):
-        for card in await self.model_cards():
-            if card["id"] == model_id:
-                return card
-        raise APIError(404, f"model: {model_id!r} is not served here", "model", "model_not_found")
-
-    async def model_cards(self) -> list[dict]:
-        """OpenAI's model objects: the LLM (with what this server adds), its LoRA adapters (as vLLM
-        lists them: ``parent`` the base model, ``root`` the directory) and the embedder."""
-        info = await self.model_info()
-        cards = [{"id": self.served_model_name(info), "object": "model", "created": 0, "owned_by": "pdserve",
-                  "max_model_len": info.max_model_len, "dtype": info.dtype,
-                  "enable_prefix_caching": info.enable_prefix_caching,
-                  "attention_backend": info.attention_backend, "batch_invariant": info.batch_invariant}]
-        directories = self.args.lora_directories
-        cards += [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "parent": cards[0]["id"],
-                   "root": directories[name]} for name in await self.lora_names()]
-        if self.embedder is not None:
-            cards.append({"id": await self.embedder_name(), "object": "model", "created": 0,
-                          "owned_by": "pdserve"})
-        return cards
-
-    @app.get("/openapi.json", include_in_schema=False)
-    async def openapi(self):
-        """The schema with this deployment's limits (without them while the engines are not ready)."""
-        if self._openapi is None:
-            try:
-                info = await asyncio.wait_for(self.model_info(), ENGINE_WAIT_S)
-                served = Served(self.served_model_name(info), info, list(await self.lora_names()))
-                if self.embedder is not None:
-                    served.embedding_name, served.embedding_vocab = await asyncio.wait_for(
-                        asyncio.gather(self.embedder.info.remote(), self.embedder.vocab_size.remote()),
-                        ENGINE_WAIT_S)
-            except Exception:  # not ready: the schema without the model's limits, not cached
-                return openapi_schema(app, None)
-            self._openapi = openapi_schema(app, served)
-        return self._openapi
-
-    @app.get("/docs", include_in_schema=False)
-    async def docs(self, http: Request):
-        return get_swagger_ui_html(openapi_url=f"{http.scope.get('root_path', '')}/openapi.json", title=app.title)
-
-    @app.get("/", include_in_schema=False)
-    async def web_page(self):
-        """One page to try the model: a message, its answer streamed, and the request's phases
-        (deployments/web/index.html; it reads /v1/models, /v1/chat/completions and /traces)."""
-        return HTMLResponse(WEB_PAGE)
-
-    @app.get("/traces/{request_id}", responses=documented(404))
-    async def trace(self, request_id: str):
-        """The recorded phases of a request that ended on this ingress replica (one of its last
-        1024): a response id (chatcmpl-…, its engine requests) or an engine request id."""
-        ended = self.traces.find(request_id)
-        if not ended:
-            raise APIError(404, f"request_id: no ended request {request_id!r} among this ingress's last "
-                           f"{self.traces.capacity}", "request_id", "not_found")
-        return {"id": request_id, "app": "pd" if isinstance(self.backend, PDBackend) else "colocated",
-                "requests": ended}
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def prometheus(self):
-        return PlainTextResponse(await self.metrics.render(self.backend),
-                                 media_type="text/plain; version=0.0.4")

@@ -1,0 +1,71 @@
+"""The ingress's FastAPI app: its error handlers and its middleware, each answering in the route's
+dialect (Anthropic's shape on Anthropic's routes, OpenAI's elsewhere). The routes are the
+Ingress's methods (deployments/ingress.py, deployments/operation_routes.py).
+"""
+
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.failures import on_unexpected_error
+from deployments.metrics import IngressMetrics
+from dialects import anthropic, auth
+from dialects.errors import APIError, documented, error_response, on_api_error, on_http_error, on_validation_error
+
+# /openapi.json and /docs are the Ingress's own routes (deployments/operation_routes.py): the schema
+# carries the served model's limits.
+app = FastAPI(title="pdserve", description="LLM serving with prefill/decode disaggregation on Ray Serve",
+              openapi_url=None, docs_url=None, redoc_url=None)
+
+
+def in_route_dialect(handler):
+    """An error handler whose answers on Anthropic's routes take Anthropic's shape."""
+    async def handle(request: Request, error: Exception) -> JSONResponse:
+        response = await handler(request, error)
+        return anthropic.from_openai_error(response) if anthropic.is_route(request.url.path) else response
+    return handle
+
+
+app.add_exception_handler(APIError, in_route_dialect(on_api_error))
+app.add_exception_handler(RequestValidationError, in_route_dialect(on_validation_error))
+app.add_exception_handler(StarletteHTTPException, in_route_dialect(on_http_error))
+app.add_exception_handler(Exception, in_route_dialect(on_unexpected_error))
+
+ENGINE_WAIT_S = 5.0  # the longest any endpoint waits for a deployment's info before a 503
+SSE = "text/event-stream"
+# What a generation route can answer: JSON, or server-sent events when "stream" is true; 400 bad
+# input, 404 a model not served, 408 a timeout before the first token, 413 a body too large,
+# 503 engines not ready or Ray Serve's back-pressure.
+GENERATION = {200: {"content": {"application/json": {}, SSE: {}}},
+              **documented(400, 404, 408, 413, 503)}
+
+
+@app.middleware("http")
+async def limit_and_count(request: Request, call_next):
+    """401 on a model route without the API key (dialects/auth.py), 413 for bodies over the cap,
+    each in the route's dialect; count every request by endpoint, status and priority."""
+    request.state.arrival = time.time()  # the start of the request's trace (deployments/tracing.py)
+    path, refusal = auth.route_path(request.scope), None
+    if not auth.is_open(path):
+        try:
+            auth.check_api_key(request.app.state.api_key, request.headers, x_api_key=anthropic.is_route(path))
+        except APIError as error:
+            refusal = error.response()
+            refusal.headers["WWW-Authenticate"] = "Bearer"
+    limit = request.app.state.max_body_bytes
+    declared = request.headers.get("content-length")
+    if refusal is None and (int(declared) > limit if declared and declared.isdigit()
+                            else len(await request.body()) > limit):
+        refusal = error_response(413, f"the request body exceeds {limit} bytes", None, "body_too_large")
+    if refusal is not None:
+        response = anthropic.from_openai_error(refusal) if anthropic.is_route(path) else refusal
+    else:
+        response = await call_next(request)
+    metrics: IngressMetrics = request.app.state.metrics
+    route = request.scope.get("route")  # the matched route's template: bounded label values
+    metrics.requests.labels(route.path if route else "unmatched", str(response.status_code),
+                            str(getattr(request.state, "priority", "-"))).inc()
+    return response
