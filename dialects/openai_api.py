@@ -4,7 +4,7 @@ whole responses (streams: dialects/openai_stream.py). docs/api.md has every deci
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import json
 import re
 import time
@@ -22,6 +22,7 @@ from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput, Tok
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 from sampling.grammar import Grammar, check_grammar
+from sampling.reasoning_grammar import THINKS_IF_OPENED, THINKS_INSIDE
 
 OPENAI_FINISH = {EOS: "stop", STOP: "stop", LENGTH: "length", TIMEOUT: "length", ABORT: "stop"}
 
@@ -107,13 +108,15 @@ class OpenAIFrontend:
 
     def chat_choices(self, body: ChatCompletionRequest, request_id: str, deadline: float) -> list[Choice]:
         lora = self.check_model(body.model)
-        grammar = self._chat_grammar(body)
         # Tools are shown to the model only when it may call them (tool_choice "none" hides them).
         tools = body.tools if body.tool_mode() else None
         template_kwargs = self.template_kwargs(body)
         reasoning = self.reasoning if template_kwargs.get("enable_thinking", True) is not False else None
-        if reasoning is not None:
-            self._check_no_grammar_while_thinking(body)
+        grammar = self._chat_grammar(body)
+        if reasoning is not None and grammar is not None:  # the thinking is free; the grammar starts after it
+            grammar = replace(grammar, thinking=THINKS_INSIDE if reasoning.family == "deepseek_r1" else
+                              THINKS_IF_OPENED)
+            self._check(grammar)
         prompt_ids = self._truncated(self.chat_prompt_ids(body.messages, tools, template_kwargs=template_kwargs),
                                      body)
         if len(prompt_ids) > self.max_prompt_tokens:
@@ -140,18 +143,6 @@ class OpenAIFrontend:
                                     "enable_thinking)", "reasoning_effort", "unsupported")
             kwargs["reasoning_effort"] = body.reasoning_effort
         return kwargs
-
-    @staticmethod
-    def _check_no_grammar_while_thinking(body: ChatCompletionRequest) -> None:
-        """A grammar would constrain the thinking too: refused until it can start after it."""
-        formatted = body.response_format is not None and body.response_format.type != "text"
-        named = body.tool_mode() not in (None, "auto")
-        for field, used in (("response_format", formatted), ("structured_outputs", body.structured_outputs is not None),
-                            ("tool_choice", named)):
-            if used:
-                raise APIError(400, f"{field}: the served model thinks before it answers, and constrained output "
-                                    "would constrain its thinking too; send chat_template_kwargs "
-                                    "{\"enable_thinking\": false} with it", field, "unsupported")
 
     def chat_prompt_ids(self, messages: list[ChatMessage], tools: list[Tool] | None, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, add_special_tokens: bool = False,

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-THINK_START, THINK_END = "<think>", "</think>"
+from sampling.reasoning_grammar import THINK_END, THINK_START
+
 FAMILIES = ("qwen3", "deepseek_r1")
 
 

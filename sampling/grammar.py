@@ -27,8 +27,10 @@ import llguidance
 import llguidance.hf  # not llguidance.torch: importing it loads torch._dynamo (~1.5 s a process)
 import torch
 
+from sampling.reasoning_grammar import THINK_END, THINK_MODES, THINK_START, BudgetMatcher, after_thinking
+
 Matcher = llguidance.LLMatcher
-GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark")
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark", "text")
 # JSON as json.dumps writes it: ", " and ": " and no other whitespace. Free whitespace lets a weak
 # model pad until max_tokens without ever closing the object (vLLM offers the same switch). A
 # schema inside a Lark grammar carries them as its "x-guidance" key.
@@ -40,27 +42,45 @@ class Grammar:
     """What a request's output must match. ``kind``: "json_object" (any JSON object; ``text`` is
     empty), "json_schema" (``text`` is the schema as JSON), "regex" (``text`` is a regular
     expression the whole output matches) or "lark" (``text`` is a grammar in llguidance's Lark
-    syntax, which may embed schemas: tool calls, dialects/tool_calls.py; choice lists).
-    ``field`` names the request field it came from, for error messages."""
+    syntax, which may embed schemas: tool calls, dialects/tool_calls.py; choice lists) or "text"
+    (any text: only with a thinking budget). ``field`` names the request field it came from, for
+    error messages. ``thinking`` (sampling/reasoning_grammar.py THINK_MODES): the output thinks
+    first and the grammar starts after ``</think>``; ``thinking_budget``: at most that many
+    output tokens of thinking, then ``</think>`` is written."""
 
     kind: str
     text: str = ""
     field: str = "grammar"
+    thinking: str | None = None
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
             raise ValueError(f"{self.field}: kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if self.thinking is not None and self.thinking not in THINK_MODES:
+            raise ValueError(f"{self.field}: thinking must be one of {', '.join(THINK_MODES)}, got {self.thinking!r}")
+        if self.thinking_budget is not None and (self.thinking is None or self.thinking_budget < 1):
+            raise ValueError(f"{self.field}: a thinking budget is at least 1 token, and needs thinking")
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(f"{self.kind}\0{self.text}".encode()).hexdigest()
+        # The budget is not part of the compiled grammar: BudgetMatcher applies it to a copy.
+        return hashlib.sha256(f"{self.kind}\0{self.text}\0{self.thinking}".encode()).hexdigest()
 
-    def source(self) -> str:
-        """The grammar in llguidance's form (no tokenizer needed)."""
+    def source(self, tag_tokens: tuple[int | None, int | None] = (None, None)) -> str:
+        """The grammar in llguidance's form, after the thinking when the output thinks first;
+        ``tag_tokens``: the ids of <think> and </think> where each is one token of the model's
+        (GrammarCompiler knows them; without a tokenizer the tags are text)."""
+        source = self._answer_source()
+        return source if self.thinking is None else after_thinking(source, self.thinking, *tag_tokens)
+
+    def _answer_source(self) -> str:
         if self.kind == "lark":
             return llguidance.LLMatcher.grammar_from_lark(self.text)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.text)
+        if self.kind == "text":
+            return llguidance.LLMatcher.grammar_from_lark("start: TEXT\nTEXT: /(?s:.*)/\n")
         schema = self.text if self.kind == "json_schema" else json.dumps({"type": "object"})
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
@@ -113,11 +133,18 @@ class GrammarCompiler:
                                                                eos_token=self._eos)
             return self._tokenizer
 
+    def _tag_tokens(self) -> tuple[int | None, int | None]:
+        """The ids of <think> and </think> where the tokenizer has each as one (special) token."""
+        tokenizer = self.tokenizer()
+        ids = [self._hf_tokenizer.convert_tokens_to_ids(tag) for tag in (THINK_START, THINK_END)]
+        return tuple(i if isinstance(i, int) and i != self._hf_tokenizer.unk_token_id and i < self.vocab_size
+                     and tokenizer.is_special_token(i) else None for i in ids)
+
     def check(self, grammar: Grammar) -> None:
         """Compile ``grammar`` for this model unless it is cached; ValueError naming its field."""
         if grammar.digest in self._compiled:
             return
-        matcher = llguidance.LLMatcher(self.tokenizer(), grammar.source(), log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer(), grammar.source(self._tag_tokens()), log_level=0)
         if matcher.is_error():
             raise ValueError(f"{grammar.field}: the grammar engine cannot use it: "
                              f"{_first_line(matcher.get_error())}")
@@ -128,15 +155,17 @@ class GrammarCompiler:
         with self._lock:
             self._compiled[grammar.digest] = matcher
 
-    def matcher(self, grammar: Grammar, token_ids: list[int]) -> Matcher:
+    def matcher(self, grammar: Grammar, token_ids: list[int]) -> Matcher | BudgetMatcher:
         """A fresh matcher for ``grammar`` that has consumed ``token_ids`` (the output so far)."""
         self.check(grammar)
         matcher = self._compiled[grammar.digest].deep_copy()
+        if grammar.thinking_budget is not None:
+            matcher = BudgetMatcher(matcher, self.tokenizer(), grammar.thinking, grammar.thinking_budget)
         if token_ids and not matcher.consume_tokens(token_ids):
             raise ValueError(f"{grammar.field}: the tokens so far do not match it: {matcher.get_error()}")
         return matcher
 
-    def bitmask(self, matcher: Matcher) -> torch.Tensor:
+    def bitmask(self, matcher: Matcher | BudgetMatcher) -> torch.Tensor:
         """The tokens ``matcher`` allows next: [W] int32 on the CPU."""
         return torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)  # [W]
 

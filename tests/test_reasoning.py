@@ -1,8 +1,8 @@
 """Reasoning output with a tiny random Qwen3 that carries the real Qwen3 chat template
 (tests/qwen3_chat_template.jinja, written into the tests, nothing downloaded): the parser is on
 for that template only; enable_thinking false reaches the template; the split reasoning_content +
-content gives back the raw text, whole and streamed at every split; what cannot be honoured while
-the model thinks is refused by name."""
+content gives back the raw text, whole and streamed at every split; template variables the
+template does not read are refused by name (grammars after the thinking: test_reasoning_grammar.py)."""
 
 import json
 from pathlib import Path
@@ -26,14 +26,18 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 THOUGHT = "<think>\nThe user adds. 2 + 3 = 5.\n</think>\n\nIt is 5."
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    directory = make_random_model(tmp_path_factory.mktemp("qwen3") / MODEL, "qwen3")
-    (directory / "chat_template.jinja").write_text(TEMPLATE)
+def engine_with_template(directory: Path, template: str) -> LLMEngine:
+    """A float32 engine on the model in ``directory``, its chat template replaced by ``template``."""
+    (directory / "chat_template.jinja").write_text(template)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return LLMEngine(EngineConfig(model=str(directory), dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return engine_with_template(make_random_model(tmp_path_factory.mktemp("qwen3") / MODEL, "qwen3"), TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +113,6 @@ def test_a_deepseek_r1_output_thinks_from_its_first_token():
 @pytest.mark.parametrize("fields, param", [
     ({"chat_template_kwargs": {"thinking_budget": 5}}, "chat_template_kwargs.thinking_budget"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),  # Qwen3's template reads no effort
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
-    ({"tools": [{"type": "function", "function": {"name": "add"}}], "tool_choice": "required"}, "tool_choice"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(front, fields, param):
     with pytest.raises(APIError) as error:
