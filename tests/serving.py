@@ -45,8 +45,11 @@ def serve_session(num_cpus: int | None = None, address: str | None = None):
         try:
             yield url
         finally:
-            for name in set(serve.status().applications) - before - _shared["kept"]:
-                serve.delete(name)
+            leaving = set(serve.status().applications) - before - _shared["kept"]
+            for name in leaving:  # all at once: one at a time, each waits out its replicas' shutdown
+                serve.delete(name, _blocking=False)
+            assert wait_until(lambda: not leaving & set(serve.status().applications), 60, 0.5), \
+                f"not deleted after 60 s: {leaving & set(serve.status().applications)}"
         return
     stop_shared_session()
     try:
@@ -55,16 +58,32 @@ def serve_session(num_cpus: int | None = None, address: str | None = None):
         _stop_ray_and_serve()
 
 
+def deploy(apps: dict, route_prefixes: dict[str, str] | None = None) -> None:
+    """Deploy every application of ``apps`` (name -> Application, at "/<name>" unless
+    ``route_prefixes`` names another) in one call, and wait until all run: their replicas start
+    together, so no app waits for the one before it to finish starting."""
+    from ray import serve
+
+    prefixes = route_prefixes or {}
+    serve.run_many([serve.RunTarget(target=app, name=name, route_prefix=prefixes.get(name, f"/{name}"))
+                    for name, app in apps.items()])
+
+
 def kept_app(name: str, build, route_prefix: str | None = None) -> str:
     """The shared session's application ``name`` (at ``route_prefix``, by default "/<name>"),
     deployed by ``build()`` the first time a module asks and kept for the next ones; returns its base URL."""
-    from ray import serve
+    return kept_apps({name: (build, route_prefix or f"/{name}")})[name]
 
-    url, route_prefix = shared_url(), route_prefix or f"/{name}"
-    if name not in _shared["kept"]:
-        serve.run(build(), name=name, route_prefix=route_prefix)
-        _shared["kept"].add(name)
-    return f"{url}{route_prefix}"
+
+def kept_apps(builds: dict) -> dict[str, str]:
+    """``kept_app`` for several (name -> (build, route prefix)): the ones not deployed yet are
+    deployed together (``deploy``); returns each one's base URL."""
+    url = shared_url()
+    missing = {name: build() for name, (build, _) in builds.items() if name not in _shared["kept"]}
+    if missing:
+        deploy(missing, {name: prefix for name, (_, prefix) in builds.items()})
+        _shared["kept"].update(missing)
+    return {name: f"{url}{prefix}" for name, (_, prefix) in builds.items()}
 
 
 # The OpenAI dialect's pair, kept across its modules: "<base>/pd" (PD, with the embedder, every
@@ -78,8 +97,8 @@ def openai_apps() -> str:
     from deployments.app import colocated_app, pd_app
 
     common = {"torch_threads": 1, "max_iter_times": OPENAI_APPS_CAP, "pd_local_prefill_tokens": 0}
-    kept_app("openai-pd", lambda: pd_app(common), "/openai/pd")
-    kept_app("openai-co", lambda: colocated_app({**common, "embeddings": False}), "/openai/co")
+    kept_apps({"openai-pd": (lambda: pd_app(common), "/openai/pd"),
+               "openai-co": (lambda: colocated_app({**common, "embeddings": False}), "/openai/co")})
     return f"{shared_url()}/openai"
 
 

@@ -6,11 +6,11 @@ import httpx
 import pytest
 from ray import serve
 
-from deployments.app import colocated_app, pd_app
+from deployments.app import colocated_app
 from tests.models import make_random_model
-from tests.serving import serve_session, sse_events, wait_until
+from tests.serving import OPENAI_APPS_CAP, deploy, openai_apps, serve_session, sse_events, wait_until
 
-CAP = 64
+CAP = OPENAI_APPS_CAP  # max_iter_times of the kept OpenAI pair, whose PD app (with the embedder) is "pd" here
 CHAT = [{"role": "user", "content": "hi"}]
 M = "tiny-llama"
 
@@ -19,14 +19,13 @@ M = "tiny-llama"
 def base_url(tmp_path_factory):
     big_vocab = make_random_model(tmp_path_factory.mktemp("big") / "m", "llama", vocab_size=32000)
     with serve_session() as url:
-        serve.run(pd_app({"torch_threads": 1, "max_iter_times": CAP, "embeddings": True}), name="pd",
-                  route_prefix="/pd")
-        # The documents' examples: token ids up to 29945, and the model name "gpt-3.5-turbo".
-        serve.run(colocated_app({"model": str(big_vocab), "served_model_name": "gpt-3.5-turbo", "torch_threads": 1,
-                                 "embeddings": False}), name="docs", route_prefix="/docs")
-        # One request at a time, so that a second one waits in the queue.
-        serve.run(colocated_app({"torch_threads": 1, "max_num_seqs": 1, "embeddings": False}), name="busy",
-                  route_prefix="/busy")
+        openai_apps()  # "<base>/openai/pd", deployed now if no module before kept it
+        deploy({
+            # The documents' examples: token ids up to 29945, and the model name "gpt-3.5-turbo".
+            "docs": colocated_app({"model": str(big_vocab), "served_model_name": "gpt-3.5-turbo", "torch_threads": 1,
+                                   "embeddings": False}),
+            # One request at a time, so that a second one waits in the queue.
+            "busy": colocated_app({"torch_threads": 1, "max_num_seqs": 1, "embeddings": False})})
         yield url
 
 
@@ -164,7 +163,7 @@ CASES = [
 
 def test_every_invalid_input_is_a_4xx_naming_the_field_then_serving_goes_on(base_url):
     assert len(CASES) >= 40
-    with httpx.Client(base_url=f"{base_url}/pd", timeout=60) as http:
+    with httpx.Client(base_url=f"{openai_apps()}/pd", timeout=60) as http:
         for path, body, status, field in CASES:
             if isinstance(body, bytes):
                 response = http.post(path, content=body, headers={"content-type": "application/json"})
