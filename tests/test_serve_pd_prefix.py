@@ -15,28 +15,28 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import assert_nothing_held, element_size, migrations, serve_session, sse_events, wait_until
+from tests.serving import (assert_nothing_held, deploy, element_size, migrations, serve_session, sse_events,
+                           wait_until)
 
 pytestmark = pytest.mark.slow
 
 THRESHOLD = 20  # the "pd" app's pd_local_prefill_tokens
 APPS = {  # float64: reused and recomputed KV agree to the last bit, whatever the chunking
     "pd": {"pd_local_prefill_tokens": THRESHOLD},
-    "off": {"pd_local_prefill_tokens": 0, "pd_decode_prefix_reuse": False},
+    # Also the priority test's app: 2 sequences at a time (the conversations run one request at a time)
+    "off": {"pd_local_prefill_tokens": 0, "pd_decode_prefix_reuse": False, "max_num_seqs": 2},
     "local": {"pd_local_prefill_tokens": 100_000},
 }
+PRIO = "off"  # the app whose D runs 2 sequences at a time
 
 
 @pytest.fixture(scope="module")
 def base_url():
     with serve_session() as url:
-        for name, args in APPS.items():
-            serve.run(pd_app({"torch_threads": 1, "embeddings": False, "dtype": "float64", **args}),
-                      name=name, route_prefix=f"/{name}")
-        serve.run(pd_app({"torch_threads": 1, "embeddings": False, "dtype": "float64", "pd_local_prefill_tokens": 0},
-                         decode_options={"num_replicas": 2}), name="two", route_prefix="/two")
-        serve.run(pd_app({"torch_threads": 1, "embeddings": False, "dtype": "float64", "max_num_seqs": 2,
-                          "pd_local_prefill_tokens": 0}), name="prio", route_prefix="/prio")
+        common = {"torch_threads": 1, "embeddings": False, "dtype": "float64"}
+        apps = {name: pd_app({**common, **args}) for name, args in APPS.items()}
+        apps["two"] = pd_app({**common, "pd_local_prefill_tokens": 0}, decode_options={"num_replicas": 2})
+        deploy(apps)
         yield url
 
 
@@ -154,7 +154,7 @@ def test_priority_holds_across_p_the_hand_off_and_d_under_a_saturating_load(base
     async def one(client, name, priority, tokens):
         body = {"input_id": [5 + int(name[-1]) + 10 * priority, 6, 7, 8] * 8, "parameters": {
             "max_new_tokens": tokens, "ignore_eos": True, "priority": priority}}
-        response = await client.post(f"{base_url}/prio/infer_token", json=body)
+        response = await client.post(f"{base_url}/{PRIO}/infer_token", json=body)
         assert response.status_code == 200, response.text
         order.append(name)
 
@@ -162,8 +162,8 @@ def test_priority_holds_across_p_the_hand_off_and_d_under_a_saturating_load(base
         async with httpx.AsyncClient(timeout=300) as client:
             low = [asyncio.create_task(one(client, f"low{i}", 5, 160)) for i in range(6)]
             saturated = await asyncio.to_thread(wait_until, lambda: (
-                stats("prio", "DecodeServer").running == 2
-                and stats("prio", "DecodeServer").waiting_by_priority[5] == 4), 60, 0.05)
+                stats(PRIO, "DecodeServer").running == 2
+                and stats(PRIO, "DecodeServer").waiting_by_priority[5] == 4), 60, 0.05)
             assert saturated, "D should run two priority-5 requests and queue four"
             high = [asyncio.create_task(one(client, f"high{i}", 1, 4)) for i in range(2)]
             await asyncio.gather(*low, *high)
@@ -173,5 +173,5 @@ def test_priority_holds_across_p_the_hand_off_and_d_under_a_saturating_load(base
     # every priority-5 one that waited (the first two ran already).
     lows = [name for name in order if name.startswith("low")]
     assert max(order.index("high0"), order.index("high1")) < order.index(lows[2]), order
-    for app in ("prio", "two", *APPS):  # every replica of each (two has two D), each read directly
+    for app in ("two", *APPS):  # every replica of each (two has two D), each read directly
         assert_nothing_held(["PrefillServer", "DecodeServer"], app)
