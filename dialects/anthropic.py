@@ -7,6 +7,7 @@ server-sent events; errors take Anthropic's shape. docs/api.md has each decision
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Literal
 import uuid
@@ -15,11 +16,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from dialects import through_chat
-from dialects.anthropic_schema import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
+from dialects.anthropic_schema import (CountTokensRequest, MessagesRequest, TextBlock, ThinkingBlock, ToolResultBlock,
+                                       ToolUseBlock)
 from dialects.errors import APIError
 from dialects.json_types import sse_event
 from dialects.openai_api import Choice, OpenAIFrontend
 from dialects.openai_schema import ChatCompletionRequest
+from dialects.reasoning import THINK_END, THINK_START, template_mentions
 from engine.outputs import LENGTH, STOP, TIMEOUT, RequestOutput
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -33,13 +36,23 @@ ROUTE = "/v1/messages"  # the paths whose errors take Anthropic's shape (count_t
 # ---- into the chat request ----------------------------------------------------------------------
 
 
-def chat_messages(body: CountTokensRequest) -> list[dict]:
+def chat_messages(body: CountTokensRequest, reasons: bool) -> list[dict]:
     """The conversation as chat messages: a user turn's tool_result blocks become tool messages
-    (before its text, as Anthropic orders them), an assistant turn's tool_use blocks its calls."""
+    (before its text, as Anthropic orders them), an assistant turn's tool_use blocks its calls and
+    its thinking blocks ``<think>…</think>`` before its text, as the model wrote them (the
+    template keeps or drops them: Qwen3's keeps the thinking of the turns after the last user
+    message, as Anthropic keeps it in a tool-use loop). ``reasons``: the served model thinks."""
     messages = [{"role": "system", "content": body.system_text()}] if body.system_text() else []
-    for message in body.messages:
+    for i, message in enumerate(body.messages):
         blocks = message.blocks()
         text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        thought = [(j, b) for j, b in enumerate(blocks) if isinstance(b, ThinkingBlock)]
+        if thought and not reasons:
+            where = f"messages.{i}.content.{thought[0][0]}"
+            raise APIError(400, f"{where}: a thinking block, and the served model does not think", where,
+                           "invalid_value")
+        if thought:
+            text = THINK_START + "".join(b.thinking for _, b in thought) + THINK_END + text
         if message.role == "user":
             messages += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                          for b in blocks if isinstance(b, ToolResultBlock)]
@@ -58,8 +71,12 @@ def chat_request(body: CountTokensRequest, front: OpenAIFrontend) -> ChatComplet
     if generating and body.max_tokens > front.max_iter_times:
         raise APIError(400, f"max_tokens: must be in (0, {front.max_iter_times}] (max_iter_times)", "max_tokens",
                        "invalid_value")
+    thinking = body.thinking.type if body.thinking is not None else "disabled"
+    if thinking == "enabled" and front.reasoning is None:
+        raise APIError(400, "thinking: the served model does not reason (its chat template has no <think>); send "
+                            "{\"type\": \"disabled\"} or leave it out", "thinking", "unsupported")
     choice = body.tool_choice
-    fields = {"model": body.model, "messages": chat_messages(body),
+    fields = {"model": body.model, "messages": chat_messages(body, front.reasoning is not None),
               "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                           "parameters": t.input_schema}} for t in body.tools or []],
               "tool_choice": None if choice is None else TOOL_CHOICES.get(choice.type) or {
@@ -72,11 +89,26 @@ def chat_request(body: CountTokensRequest, front: OpenAIFrontend) -> ChatComplet
     for tool in fields["tools"]:
         if tool["function"]["description"] is None:
             del tool["function"]["description"]
+    if thinking == "disabled" and template_mentions(front.tokenizer.chat_template, "enable_thinking"):
+        fields["chat_template_kwargs"] = {"enable_thinking": False}
     if generating:
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, seed=body.seed, priority=body.priority,
                       timeout=body.timeout)
-    return through_chat.chat_request(fields, {"response_format": "output_config.format", "stop": "stop_sequences"})
+    request = through_chat.chat_request(fields, {"response_format": "output_config.format", "stop": "stop_sequences"})
+    if thinking == "enabled" and generating:
+        request._thinking_budget = body.thinking.budget_tokens
+    return request
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's signature: a digest of its text (Anthropic's is encrypted; nothing here
+    checks it when the block comes back)."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
+def thinking_block(thinking: str) -> dict:
+    return {"type": "thinking", "thinking": thinking, "signature": signature(thinking)}
 
 
 # ---- the answer ---------------------------------------------------------------------------------------
@@ -124,7 +156,9 @@ class MessagesExchange:
     def response(self, choices: list[Choice]) -> dict:
         choice = choices[0]
         message, called = OpenAIFrontend.chat_message(choice)
-        content = [{"type": "text", "text": message["content"]}] if message["content"] else []
+        # The thinking (when the model wrote any) is a block before the answer's, as Anthropic orders them.
+        content = [thinking_block(message["reasoning_content"])] if message.get("reasoning_content") else []
+        content += [{"type": "text", "text": message["content"]}] if message["content"] else []
         for call in message.get("tool_calls", []):
             try:
                 arguments = json.loads(call["function"]["arguments"])
@@ -146,15 +180,17 @@ class MessagesExchange:
 
 class MessagesStreamWriter(through_chat.DeltaWriter):
     """Anthropic's event sequence: message_start, ping; per content block content_block_start,
-    content_block_delta (text_delta, or input_json_delta for a tool_use block)..., content_block_stop;
+    content_block_delta (thinking_delta then one signature_delta for a thinking block, text_delta,
+    or input_json_delta for a tool_use block)..., content_block_stop;
     then message_delta (stop_reason, output tokens) and message_stop; an error after the start is an
     ``error`` event. Each event carries its SSE ``event:`` name."""
 
     def __init__(self, exchange: MessagesExchange, choices: list[Choice]) -> None:
-        super().__init__(choices)
+        super().__init__(choices, split_reasoning=True)
         self.exchange = exchange
         self._index = -1  # the open block's index
         self._open_type: str | None = None
+        self._thinking = ""  # the open thinking block's text, for its signature
 
     def _start_events(self) -> str:
         return event("message_start", message=self.exchange.message_start(self.choices)) + event("ping")
@@ -170,6 +206,12 @@ class MessagesStreamWriter(through_chat.DeltaWriter):
         return event("error", error={"type": ERROR_TYPES.get(error.status, "api_error"), "message": error.message})
 
     def _delta(self, delta: dict) -> str:
+        if "reasoning" in delta:
+            events = "" if self._open_type == "thinking" else self._start_block(
+                {"type": "thinking", "thinking": "", "signature": ""})
+            self._thinking += delta["reasoning"]
+            return events + event("content_block_delta", index=self._index,
+                                  delta={"type": "thinking_delta", "thinking": delta["reasoning"]})
         if "content" in delta:
             events = "" if self._open_type == "text" else self._start_block({"type": "text", "text": ""})
             return events + event("content_block_delta", index=self._index,
@@ -190,8 +232,12 @@ class MessagesStreamWriter(through_chat.DeltaWriter):
     def _stop_block(self) -> str:
         if self._open_type is None:
             return ""
+        events = ""
+        if self._open_type == "thinking":  # its signature comes last, before the block stops
+            events = event("content_block_delta", index=self._index,
+                           delta={"type": "signature_delta", "signature": signature(self._thinking)})
         self._open_type = None
-        return event("content_block_stop", index=self._index)
+        return events + event("content_block_stop", index=self._index)
 
 
 def event(kind: str, **fields) -> str:

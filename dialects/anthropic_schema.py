@@ -20,7 +20,8 @@ NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 MAX_MESSAGES = 1024
 # Fields that need what this server does not have: refused unless null (or disabled).
 UNSUPPORTED = {
-    "thinking": "the served model has no extended thinking; send {\"type\": \"disabled\"} or leave it out",
+    "thinking": "adaptive thinking is not offered; send {\"type\": \"enabled\", \"budget_tokens\": N} (a model "
+                "that reasons) or {\"type\": \"disabled\"}",
     "container": "no code-execution containers are offered",
     "mcp_servers": "no MCP servers are run here; send their tools as client tools",
     "context_management": "context management is not offered",
@@ -71,15 +72,24 @@ class ToolResultBlock(StrictModel):
         return f"Error: {text}" if self.is_error else text
 
 
-BLOCKS = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock}
+class ThinkingBlock(StrictModel):
+    """An earlier assistant turn's thinking, as this server returned it (the signature is not checked)."""
+
+    type: Literal["thinking"]
+    thinking: StrictStr
+    signature: StrictStr
+    cache_control: CacheControl | None = None
 
 
-def _block(j: int, raw: Any) -> TextBlock | ToolUseBlock | ToolResultBlock:
+BLOCKS = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock, "thinking": ThinkingBlock}
+
+
+def _block(j: int, raw: Any) -> TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock:
     """One content block, or a ValueError naming where it is wrong ("<j>.<field>: <rule>")."""
     kind = raw.get("type") if isinstance(raw, dict) else None
     if not isinstance(kind, str) or kind not in BLOCKS:
-        raise ValueError(f"{j}.type: {kind!r} blocks are not supported here; this model reads text, tool_use "
-                         "and tool_result blocks (no images, documents or thinking)")
+        raise ValueError(f"{j}.type: {kind!r} blocks are not supported here; this model reads text, tool_use, "
+                         "tool_result and thinking blocks (no images, documents or redacted thinking)")
     try:
         return BLOCKS[kind].model_validate(raw)
     except ValidationError as error:
@@ -88,7 +98,8 @@ def _block(j: int, raw: Any) -> TextBlock | ToolUseBlock | ToolResultBlock:
 
 class Message(StrictModel):
     role: Literal["user", "assistant"]
-    content: NonEmptyStr | Annotated[list[TextBlock | ToolUseBlock | ToolResultBlock], Field(min_length=1)]
+    content: NonEmptyStr | Annotated[list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock],
+                                     Field(min_length=1)]
 
     # Blocks and tools are read one by one, so that a 400 names the block and says what is wrong
     # with it, rather than pydantic's account of each member of a failed union.
@@ -100,8 +111,8 @@ class Message(StrictModel):
     @model_validator(mode="after")
     def _blocks_of_its_role(self):
         for j, block in enumerate(self.blocks()):
-            if isinstance(block, ToolUseBlock) and self.role != "assistant":
-                raise ValueError(f"content.{j}: tool_use blocks are the assistant's")
+            if isinstance(block, (ToolUseBlock, ThinkingBlock)) and self.role != "assistant":
+                raise ValueError(f"content.{j}: {block.type} blocks are the assistant's")
             if isinstance(block, ToolResultBlock) and self.role != "user":
                 raise ValueError(f"content.{j}: tool_result blocks are the user's")
         return self
@@ -134,8 +145,20 @@ class ToolChoice(StrictModel):
 
 
 class Thinking(StrictModel):
-    type: Annotated[Literal["disabled", "enabled", "adaptive"], only("disabled", description=UNSUPPORTED["thinking"])]
-    budget_tokens: StrictInt | None = None
+    """enabled: the model's thinking comes back as a thinking block, ended after budget_tokens
+    tokens; disabled (or absent): a model whose template can switch its thinking off does not think."""
+
+    type: Annotated[Literal["disabled", "enabled", "adaptive"],
+                    only("disabled", "enabled", description=UNSUPPORTED["thinking"])]
+    budget_tokens: StrictInt | None = Field(None, ge=1, description="with enabled, and only there; below max_tokens")
+
+    @model_validator(mode="after")
+    def _budget_with_enabled(self):
+        if self.type == "adaptive":
+            raise ValueError(f"type: {UNSUPPORTED['thinking']}")
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise ValueError("budget_tokens: required with type 'enabled', and only with it")
+        return self
 
 
 class JsonOutputFormat(StrictModel):
@@ -194,8 +217,6 @@ class CountTokensRequest(StrictModel):
 
     @model_validator(mode="after")
     def _offered(self):
-        if self.thinking is not None and self.thinking.type != "disabled":
-            raise ValueError(f"thinking: {UNSUPPORTED['thinking']}")
         for name in ("container", "mcp_servers", "context_management", "diagnostics"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: {UNSUPPORTED[name]}")
@@ -233,3 +254,10 @@ class MessagesRequest(CountTokensRequest):
     seed: Seed | None = None
     priority: StrictInt = Field(5, ge=1, le=5, description="1 is served first")
     timeout: StrictInt = Field(600, gt=0, le=3600, description="seconds, queueing and generation together")
+
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self):
+        if self.thinking is not None and self.thinking.budget_tokens is not None and \
+                self.thinking.budget_tokens >= self.max_tokens:
+            raise ValueError("thinking.budget_tokens: must be below max_tokens (the answer follows the thinking)")
+        return self

@@ -113,9 +113,12 @@ class OpenAIFrontend:
         template_kwargs = self.template_kwargs(body)
         reasoning = self.reasoning if template_kwargs.get("enable_thinking", True) is not False else None
         grammar = self._chat_grammar(body)
+        budget = body._thinking_budget if reasoning is not None else None
+        if budget is not None and grammar is None:  # a budget is enforced by a grammar: any text after the thinking
+            grammar = Grammar("text", field="thinking")
         if reasoning is not None and grammar is not None:  # the thinking is free; the grammar starts after it
             grammar = replace(grammar, thinking=THINKS_INSIDE if reasoning.family == "deepseek_r1" else
-                              THINKS_IF_OPENED)
+                              THINKS_IF_OPENED, thinking_budget=budget)
             self._check(grammar)
         prompt_ids = self._truncated(self.chat_prompt_ids(body.messages, tools, template_kwargs=template_kwargs),
                                      body)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import (Field, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema, field_validator,
-                      model_validator)
+from pydantic import (Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema,
+                      field_validator, model_validator)
 
 from dialects.json_types import Seed, StrictModel, TokenId, only
 from engine.request import MAX_CHOICES
@@ -337,6 +337,8 @@ UNSUPPORTED_CHAT_FIELDS = {
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Not a field of chat's: Anthropic's thinking.budget_tokens, set by that dialect on the request it makes.
+    _thinking_budget: int | None = PrivateAttr(None)
     max_completion_tokens: StrictInt | None = Field(
         None, gt=0, description="OpenAI's current name for max_tokens; wins over it when both are set")
     logprobs: StrictBool = False

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from dialects.errors import APIError
 from dialects.openai_api import Choice
 from dialects.openai_schema import ChatCompletionRequest
+from dialects.reasoning import ReasoningStream
 from dialects.tool_calls import ToolCallStream
 from engine.outputs import RequestOutput
 
@@ -47,9 +48,13 @@ class DeltaWriter:
     hand when the stream starts), what each delta is (``_delta``) and how the stream ends
     (``_finish``)."""
 
-    def __init__(self, choices: list[Choice]) -> None:
+    def __init__(self, choices: list[Choice], split_reasoning: bool = False) -> None:
+        """``split_reasoning``: a reasoning model's thinking comes as ``{"reasoning": text}``
+        deltas before the answer's (dialects/reasoning.py splits it as chat does)."""
         self.choices = choices
         self._tools = ToolCallStream() if choices[0].may_call_tools else None
+        reasoning = choices[0].reasoning if split_reasoning else None
+        self._reasoning = ReasoningStream(reasoning) if reasoning is not None else None
         self._started = False
 
     @property
@@ -60,6 +65,9 @@ class DeltaWriter:
         events = "" if self._started else self._start_events()
         self._started = True
         text = output.new_text
+        if self._reasoning is not None:
+            thought, text = self._reasoning.feed(text, output.finished)
+            events += self._delta({"reasoning": thought}) if thought else ""
         deltas = self._tools.feed(text, output.finished) if self._tools else [{"content": text}] if text else []
         events += "".join(self._delta(delta) for delta in deltas)
         return events + (self._finish(output) if output.finished else "")

@@ -10,6 +10,7 @@ byte-level tokens often break it within a few tokens, which a real model's think
 
 from dataclasses import replace
 import json
+from pathlib import Path
 import time
 
 import jsonschema
@@ -25,7 +26,8 @@ from sampling.reasoning_grammar import THINK_END, THINK_START, THINKS_IF_OPENED,
 from tests.models import COMMON, make_random_model
 from tests.test_reasoning import TEMPLATE, engine_with_template
 
-OPENS_THINKING = "{{- '<|im_start|>assistant\\n<think>\\n' }}"  # Qwen3 thinking models' generation prompt
+# Qwen3's thinking models' template: the generation prompt opens <think> (deepseek_r1's parser).
+THINKING_TEMPLATE = TEMPLATE.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99},
                                          "unit": {"enum": ["m", "s"]}},
           "required": ["answer", "unit"], "additionalProperties": False}
@@ -35,19 +37,23 @@ BUDGET = 10
 SEEDS = range(1, 4)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # 1024 positions: the tools' system prompt takes ~480 of tiny-llama's tokens, a call ~50.
+def long_qwen3(directory: Path) -> Path:
+    """A tiny random Qwen3 of 1024 positions (the tools' system prompt takes ~480 of tiny-llama's
+    tokens, a call ~50) in ``directory``."""
     longer = {**COMMON, "max_position_embeddings": 1024}
-    return make_random_model(tmp_path_factory.mktemp("qwen3") / "tiny-qwen3", "qwen3",
+    return make_random_model(directory, "qwen3",
                              make_config=lambda vocab: Qwen3Config(vocab_size=vocab, head_dim=32, **longer))
 
 
 @pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return long_qwen3(tmp_path_factory.mktemp("qwen3") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
 def opening(model_dir):
-    """The template whose generation prompt opens <think> (deepseek_r1's parser)."""
-    assert TEMPLATE.count("{{- '<|im_start|>assistant\\n' }}") == 1
-    engine = engine_with_template(model_dir, TEMPLATE.replace("{{- '<|im_start|>assistant\\n' }}", OPENS_THINKING))
+    assert THINKING_TEMPLATE != TEMPLATE
+    engine = engine_with_template(model_dir, THINKING_TEMPLATE)
     return engine, OpenAIFrontend(engine.tokenizer, "tiny-qwen3", engine.vocab_size, 1024, 96)
 
 
