@@ -126,6 +126,21 @@ void transpose_keys(const scalar_t* __restrict__ k, int64_t stride, int64_t bloc
     for (int64_t d = 0; d < head_dim; ++d) keys_t[d * block_size + j] = to_float(k[j * stride + d]);
 }
 
+// Asks the caches for the K and V rows of the next block while this one is computed: blocks lie
+// anywhere in the pool, so the hardware prefetcher cannot guess them, and a decode row reads every
+// block of its context once (memory-bound: benchmarks/RESULTS.md). A hint only: no value changes.
+template <typename scalar_t>
+inline void prefetch_block(const scalar_t* k_cache, const scalar_t* v_cache, int32_t block, int64_t block_size,
+                           int64_t slot_stride, int64_t head_offset, int64_t head_dim) {
+  constexpr int64_t kPerLine = 64 / sizeof(scalar_t);  // values per 64-byte cache line
+  const int64_t base = static_cast<int64_t>(block) * block_size * slot_stride + head_offset;
+  for (int64_t j = 0; j < block_size; ++j)
+    for (int64_t d = 0; d < head_dim; d += kPerLine) {
+      __builtin_prefetch(k_cache + base + j * slot_stride + d);
+      __builtin_prefetch(v_cache + base + j * slot_stride + d);
+    }
+}
+
 struct Task {
   int64_t group;
   int64_t first;  // first query of the group in this task
@@ -169,6 +184,8 @@ void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_
   for (int64_t block = lowest_key / block_size; block <= last_pos / block_size; ++block) {
     const int64_t block_start = block * block_size;
     const int64_t base = static_cast<int64_t>(table[block]) * block_size * slot_stride + task.head * head_dim;
+    if (block < last_pos / block_size) prefetch_block(k_cache, v_cache, table[block + 1], block_size, slot_stride,
+                                                      task.head * head_dim, head_dim);
     transpose_keys(k_cache + base, slot_stride, block_size, head_dim, keys_t.data());
     // Row j of the block's values, as floats: read in place in float32, converted once per block otherwise.
     const float* block_values;
