@@ -107,8 +107,8 @@ class SamplingFields(StrictModel):
         {"const": -1}, {"type": "integer", "minimum": 1}]})] | None = Field(
         None, ge=-1, description="keep only the prompt's last k tokens (chat: of the templated prompt); -1: as many "
                                  "as fit")
-    include_stop_str_in_output: Annotated[StrictBool, only(False, description=(
-        "the matched stop string is always cut from the text here"))] = False
+    include_stop_str_in_output: StrictBool = Field(
+        False, description="vLLM's extension: true keeps the matched stop string at the end of the text")
     spaces_between_special_tokens: Annotated[StrictBool, only(True, description=(
         "fast tokenizers always decode without added spaces; the value that matches them"))] = True
     structured_outputs: StructuredOutputs | None = Field(
@@ -136,9 +136,6 @@ class SamplingFields(StrictModel):
     def _sampling_fields(self):
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens: must be >= 1, or -1 for as many as fit")
-        if self.include_stop_str_in_output:
-            raise ValueError("include_stop_str_in_output: the matched stop string is always cut from the text here; "
-                             "send false")
         if not self.spaces_between_special_tokens:
             raise ValueError("spaces_between_special_tokens: this server decodes with a fast tokenizer, which adds "
                              "no spaces between special tokens; send true")

@@ -102,7 +102,6 @@ CASES = [
     ("/v1/chat/completions", chat(repetition_penalty=2.5), 400, "repetition_penalty"),
     ("/v1/chat/completions", chat(min_tokens=2, stop=["x"]), 400, "min_tokens"),
     ("/v1/chat/completions", chat(stop_token_ids=[10**6]), 400, "stop_token_ids.0"),
-    ("/v1/chat/completions", chat(include_stop_str_in_output=True), 400, "include_stop_str_in_output"),
     ("/v1/completions", completion(truncate_prompt_tokens=0), 400, "truncate_prompt_tokens"),
     ("/v1/chat/completions", chat(n=0), 400, "n"),
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),

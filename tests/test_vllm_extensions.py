@@ -3,6 +3,7 @@ engine's own control and changes the output as it says, or is refused with a 400
 the bodies `vllm bench serve` sends by default are accepted (tests/test_api_openai.py sends them
 over HTTP)."""
 
+import json
 import time
 
 import pydantic
@@ -11,6 +12,7 @@ import pytest
 from dialects.errors import APIError
 from dialects.openai_api import OpenAIFrontend
 from dialects.openai_schema import ChatCompletionRequest, CompletionRequest
+from dialects.openai_stream import StreamWriter
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import EOS, LENGTH, STOP
@@ -121,7 +123,6 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(engine, front):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ({"min_tokens": 2, "stop": ["x"]}, "min_tokens"),
     ({"min_tokens": 2, "stop_token_ids": [4]}, "min_tokens"),
@@ -143,3 +144,43 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(engine, front):
     with pytest.raises(APIError) as error:
         complete(engine, front, stop_token_ids=[3, engine.vocab_size])
     assert error.value.status == 400 and error.value.param == "stop_token_ids.1"
+
+
+def streamed_text(engine, front, choice, chat: bool) -> str:
+    """The text a stream of ``choice`` sends: the engine stepped, each output through the writer."""
+    writer, events = StreamWriter(front, "s", 0, [choice], chat=chat), ""
+    engine.add_request(choice.request)
+    for _ in range(200):  # bounded: one token a step
+        for output in engine.step():
+            choice.outputs.append(output)
+            events += writer.write(0, output)
+        if choice.outputs and choice.final.finished:
+            break
+    chunks = [json.loads(line[6:])["choices"][0] for line in events.split("\n\n") if line.startswith("data: {")]
+    return "".join((c["delta"].get("content") or "") if chat else c["text"] for c in chunks)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_include_stop_str_in_output_keeps_the_stop_string_whole_and_streamed(engine, front, chat):
+    def choice(**fields):
+        body = {"model": MODEL, "max_tokens": 24, "temperature": 0.0, **fields}
+        if chat:
+            request = ChatCompletionRequest.model_validate({**body, "messages": [{"role": "user", "content": PROMPT}]})
+            return front.chat_choices(request, f"c{time.monotonic_ns()}", time.time() + 600)[0]
+        return front.completion_choices(CompletionRequest.model_validate({**body, "prompt": PROMPT}),
+                                        f"c{time.monotonic_ns()}", time.time() + 600)[0]
+
+    def run(c):
+        c.outputs = [engine.generate([c.request])[c.request.request_id]]
+        return c
+
+    free = run(choice()).text
+    stop = free[len(free) // 2:len(free) // 2 + 2]  # two characters from the middle of the greedy text
+    assert stop.strip(), free
+    cut = free[:free.index(stop)]
+    assert run(choice(stop=[stop])).text == cut  # the engine cuts it
+    kept = run(choice(stop=[stop], include_stop_str_in_output=True))
+    assert kept.text == cut + stop and kept.final.finish_reason == STOP
+    assert streamed_text(engine, front, choice(stop=[stop], include_stop_str_in_output=True), chat) == cut + stop
+    assert streamed_text(engine, front, choice(stop=[stop]), chat) == cut
+
