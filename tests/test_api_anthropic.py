@@ -144,3 +144,23 @@ def test_errors_take_anthropics_shape(base_url):
                               headers={"x-api-key": "unused", "anthropic-version": "2023-06-01"})
         assert response.status_code == 400 and response.json()["type"] == "error", response.text
         assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_thinking_is_refused_by_name_where_the_model_does_not_reason(base_url):
+    """tiny-llama's template has no <think>: enabled is a 400 naming thinking, disabled changes
+    nothing; adaptive and a budget not below max_tokens are refused by name on any model
+    (tests/test_anthropic_thinking.py has thinking on a reasoning model)."""
+    c = client(base_url)
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        c.messages.create(model=MODEL, messages=ASK, max_tokens=CAP, thinking={"type": "enabled", "budget_tokens": 4})
+    assert caught.value.body["error"]["message"].startswith("thinking: the served model does not reason")
+    for thinking, field in (({"type": "adaptive"}, "thinking.type"),
+                            ({"type": "enabled", "budget_tokens": CAP}, "thinking.budget_tokens")):
+        response = httpx.post(f"{base_url}/v1/messages", timeout=60, headers={"x-api-key": "unused"},
+                              json={"model": MODEL, "messages": ASK, "max_tokens": CAP, "thinking": thinking})
+        assert response.status_code == 400 and response.json()["error"]["message"].startswith(field), response.text
+    plain = c.messages.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=GREEDY)
+    disabled = c.messages.create(model=MODEL, messages=ASK, max_tokens=4, thinking={"type": "disabled"},
+                                 extra_body=GREEDY)
+    assert disabled.content == plain.content and disabled.usage == plain.usage
+
