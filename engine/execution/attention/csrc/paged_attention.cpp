@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -105,6 +105,41 @@ inline void transpose16(__m512 r[16]) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+// 8 consecutive values as floats in one register (bf16: the bits shifted up; fp16: converted exactly).
+template <typename scalar_t>
+inline __m256 load8(const scalar_t* src) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm256_loadu_ps(src);
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  }
+}
+
+// r[i] holds row i of an 8 x 8 tile; afterwards r[i] holds column i.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+#endif
+
 // keys_t[d * block_size + j] = float(k[j * stride + d]) for j < block_size, d < head_dim: a block's
 // keys with the head dim outermost, so that a score's chain over d runs across 16 keys at once.
 // Pure data movement: every path gives the same floats.
@@ -119,6 +154,17 @@ void transpose_keys(const scalar_t* __restrict__ k, int64_t stride, int64_t bloc
       transpose16(tile);
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(keys_t + (d0 + i) * 16, tile[i]);
     }
+    return;
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  if (block_size == 16 && head_dim % 8 == 0) {  // two 8 x 8 tiles per 8 dims: keys 0-7, then keys 8-15
+    __m256 tile[8];
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 8)
+      for (int j0 = 0; j0 < 16; j0 += 8) {
+        for (int j = 0; j < 8; ++j) tile[j] = load8(k + (j0 + j) * stride + d0);
+        transpose8(tile);
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(keys_t + (d0 + i) * 16 + j0, tile[i]);
+      }
     return;
   }
 #endif
