@@ -1,0 +1,93 @@
+"""The paged attention kernel built for each instruction set this CPU can run, side by side.
+
+The kernel (engine/execution/attention/csrc/paged_attention.cpp) transposes each block's keys with
+AVX-512 16 x 16 register transposes, AVX2 8 x 8 ones, or a plain loop, chosen at compile time by
+``-march=native``. The suite only ever tests the path of the machine it runs on; this script builds
+the other paths here too (``-mno-avx512f``, then also ``-mno-avx2``), checks that every build gives
+the same bits on a grid of shapes (dtypes, head dims, block sizes, GQA ratios, decodes and a
+prefill chunk), and times a decode step of 32 sequences at 2,048 tokens on each (min of repeats).
+Exits non-zero if two builds differ.
+
+    python benchmarks/kernel_isa_paths.py [--repeats 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+SOURCE = Path(__file__).resolve().parents[1] / "engine" / "execution" / "attention" / "csrc" / "paged_attention.cpp"
+BASE_FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]  # as engine/execution/attention/cpu_paged.py builds it
+BUILDS = {"avx512": [], "avx2": ["-mno-avx512f"], "plain": ["-mno-avx512f", "-mno-avx2"]}
+
+
+def build(name: str, flags: list[str]):
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    return cpp_extension.load(name=f"pdserve_paged_attention_{name}", sources=[str(SOURCE)],
+                              extra_cflags=BASE_FLAGS + flags)
+
+
+def case(dtype, head_dim: int, block_size: int, heads: tuple[int, int], seqs: int, context: int, decode_only: bool):
+    """Random caches with the sequences' blocks scattered over the pool, and the kernel's arguments."""
+    num_heads, num_kv_heads = heads
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = seqs * blocks_per_seq + 3
+    k_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim).to(dtype)  # [S, Hkv, D]
+    v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim).to(dtype)
+    tables = torch.randperm(num_blocks)[: seqs * blocks_per_seq].int().reshape(seqs, blocks_per_seq).contiguous()
+    lengths = torch.ones(seqs, dtype=torch.int64)
+    positions = torch.full((seqs,), context - 1, dtype=torch.int64)
+    if not decode_only:  # the last sequence brings a chunk of 8 query positions, the others decode at mixed positions
+        lengths[-1], positions[-1] = 8, context - 8
+        positions[:-1] = torch.randint(0, context, (seqs - 1,))
+    rows = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+    q = torch.randn(int(lengths.sum()), num_heads, head_dim).to(dtype)  # [N, Hq, D]
+    return q, k_cache, v_cache, tables, rows, positions, lengths, block_size
+
+
+def attend(kernel, args) -> torch.Tensor:
+    q, k_cache, v_cache, tables, rows, positions, lengths, block_size = args
+    out = torch.zeros_like(q)
+    kernel.paged_attention(out, q, k_cache, v_cache, tables, rows, positions, lengths, block_size, 0,
+                           q.shape[-1] ** -0.5)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    kernels = {name: build(name, flags) for name, flags in BUILDS.items()}
+    torch.manual_seed(0)
+    grid = list(itertools.product((torch.float32, torch.bfloat16, torch.float16), (64, 128, 40, 24), (16, 8),
+                                  ((9, 3), (4, 4), (8, 1))))
+    differing = []
+    for dtype, head_dim, block_size, heads in grid:
+        inputs = case(dtype, head_dim, block_size, heads, seqs=5, context=100, decode_only=False)
+        outs = {name: attend(kernel, inputs) for name, kernel in kernels.items()}
+        differing += [(name, dtype, head_dim, block_size, heads) for name, out in outs.items()
+                      if not torch.equal(out, outs["avx512"])]
+    print(f"{len(grid)} shape cases, builds {', '.join(kernels)}: "
+          + ("the same bits" if not differing else f"DIFFERENT bits in {differing}"))
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = case(dtype, 64, 16, (9, 3), seqs=32, context=2048, decode_only=True)
+        times = {name: [] for name in kernels}
+        for _ in range(args.repeats):  # interleaved, so that a change of load hits every build alike
+            for name, kernel in kernels.items():
+                start = time.perf_counter()
+                attend(kernel, inputs)
+                times[name].append(time.perf_counter() - start)
+        print(f"decode 32 x 2,048, {str(dtype).removeprefix('torch.')}, ms per layer (min of {args.repeats}): "
+              + ", ".join(f"{name} {min(t) * 1e3:.1f}" for name, t in times.items()))
+    return 1 if differing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
