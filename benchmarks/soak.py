@@ -44,9 +44,13 @@ GENERATION_ROUTES = ("/infer_token", "/v1/completions", "/v1/chat/completions", 
 
 
 def app_args() -> dict:
-    """float32 and batch-invariant: each pool request has one answer, however it is batched or moved."""
+    """float32 and batch-invariant: each pool request has one answer, however it is batched or moved.
+    D does not reuse its prefix cache for P's prompts: the pool's long prompts repeat, and D would
+    soon hold them all and compute them itself, leaving P (and P's faults) nothing to do; short
+    prompts are still computed on D."""
     return {"torch_threads": 1, "dtype": "float32", "batch_invariant": True, "embeddings": False,
-            "max_iter_times": 160, "stall_timeout_s": 3, "step_timeout_s": 5, "kv_lease_s": 6}
+            "max_iter_times": 160, "stall_timeout_s": 3, "step_timeout_s": 5, "kv_lease_s": 6,
+            "pd_decode_prefix_reuse": False}
 
 
 def replica_options(count: int) -> dict:

@@ -65,17 +65,19 @@ class FaultInjector:
         else:
             self._stuck_step(kind.rsplit(" ", 1)[1], fault)
         if verb in ("SIGKILL", "stuck"):
-            whole = wait_until(lambda: self._whole(role.split()[-1]), RECOVERY_BOUND_S, 0.5)
+            role = role.split()[-1]
+            # Serve's status still counts a killed replica RUNNING until its controller notices: wait for that first
+            wait_until(lambda: self._running(role) < self.full[role], 30, 0.2)
+            whole = wait_until(lambda: self._running(role) >= self.full[role], RECOVERY_BOUND_S, 0.5)
             fault["recovered_s"] = round(time.monotonic() - started, 2) if whole else None
         fault["until"] = time.monotonic()
         return fault
 
-    def _whole(self, role: str) -> bool:
-        """The role has its replicas RUNNING again (a replacement is registered long before it serves)."""
+    def _running(self, role: str) -> int:
+        """The role's replicas Serve says are RUNNING (a replacement is registered long before it serves)."""
         from ray import serve
 
-        states = serve.status().applications[self.app].deployments[role].replica_states
-        return states.get("RUNNING", 0) >= self.full[role]
+        return serve.status().applications[self.app].deployments[role].replica_states.get("RUNNING", 0)
 
     def _victim(self, role: str) -> str:
         """The replica serving the most streams now (ties: at random), so that the fault hits requests."""
