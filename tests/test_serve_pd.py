@@ -14,8 +14,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest, PromptTable
 from sampling import SamplingParams
-from tests.serving import (assert_nothing_held, element_size, serve_session, sse_events, stopped, wait_until,
-                           work_done)
+from tests.serving import (assert_nothing_held, deploy, element_size, serve_session, sse_events, stopped,
+                           wait_until, work_done)
 
 PROMPTS = [[5, 6, 7, 8], list(range(10, 60)), [300, 301], list(range(100, 131))]
 LOOPING_PROMPT = [1, 5, 9, 30, 31, 32, 33, 5, 9, 30, 31, 7, 5, 9]  # tests/test_speculative.py's
@@ -28,11 +28,9 @@ def base_url():
     with serve_session() as url:
         # no test here embeds: four replicas fewer to start; every prompt goes through P (none is prefilled on D)
         common = {"torch_threads": 1, "embeddings": False, "pd_local_prefill_tokens": 0}
-        serve.run(pd_app(common), name="pd", route_prefix="/pd")
-        serve.run(colocated_app(common), name="co", route_prefix="/co")
         capped = {**common, "max_iter_times": CAP, "max_logits_floats": MAX_LOGITS_FLOATS}
-        serve.run(pd_app(capped), name="pdcap", route_prefix="/pdcap")
-        serve.run(colocated_app(capped), name="cocap", route_prefix="/cocap")
+        deploy({"pd": pd_app(common), "co": colocated_app(common), "pdcap": pd_app(capped),
+                "cocap": colocated_app(capped)})
         yield url
 
 
@@ -91,22 +89,6 @@ def test_generated_tokens_follow_the_pd_rule(base_url):
     # A limit from max_new_tokens counts P's token and D's together, in both.
     pd = infer(base_url, "pdcap", PROMPTS[0], max_new_tokens=3, ignore_eos=True)["details"]
     assert pd["generated_tokens"] == 3
-
-
-def test_first_token_finishing_at_p_never_reaches_d(base_url):
-    """P computes the prompt and ends the request; no D replica decodes, computes or imports
-    anything for it. D is asked for its plan (prefix-aware PD asks before P works, whatever
-    max_new_tokens is: docs/serving.md), which holds a prefix until the hold expires."""
-    decode = serve.get_deployment_handle("DecodeServer", app_name="pd")
-    d_before, p_before = work_done("DecodeServer", "pd"), work_done("PrefillServer", "pd")
-    transfers = decode.kv_transfers.remote().result()["count"]
-    events = infer(base_url, "pd", PROMPTS[0], stream=True, max_new_tokens=1, ignore_eos=True)
-    assert len(events) == 1 and events[0]["prefill_time"] is not None
-    assert events[0]["details"]["generated_tokens"] == 1 and events[0]["details"]["finish_reason"] == "length"
-    assert work_done("PrefillServer", "pd")["finished"] == p_before["finished"] + 1  # P ended it
-    d_after = work_done("DecodeServer", "pd")
-    assert {**d_after, "prefix_holds": 0} == {**d_before, "prefix_holds": 0}
-    assert decode.kv_transfers.remote().result()["count"] == transfers
 
 
 def engine_stats(app, deployment):
@@ -464,3 +446,21 @@ def test_streams_at_once_in_both_dialects_carry_the_engines_tokens(base_url, ref
         calls += [pool.submit(completions, app) for app in ("pd", "co") for _ in (0, 1)]
         for call in calls:
             call.result()
+
+
+# Last in the module: D's plan for this P-only request holds a prefix until the hold expires
+# (kv_lease_s, 30 s), and every test that waits until nothing is held on "pd" would wait it out.
+def test_first_token_finishing_at_p_never_reaches_d(base_url):
+    """P computes the prompt and ends the request; no D replica decodes, computes or imports
+    anything for it. D is asked for its plan (prefix-aware PD asks before P works, whatever
+    max_new_tokens is: docs/serving.md), which holds a prefix until the hold expires."""
+    decode = serve.get_deployment_handle("DecodeServer", app_name="pd")
+    d_before, p_before = work_done("DecodeServer", "pd"), work_done("PrefillServer", "pd")
+    transfers = decode.kv_transfers.remote().result()["count"]
+    events = infer(base_url, "pd", PROMPTS[0], stream=True, max_new_tokens=1, ignore_eos=True)
+    assert len(events) == 1 and events[0]["prefill_time"] is not None
+    assert events[0]["details"]["generated_tokens"] == 1 and events[0]["details"]["finish_reason"] == "length"
+    assert work_done("PrefillServer", "pd")["finished"] == p_before["finished"] + 1  # P ended it
+    d_after = work_done("DecodeServer", "pd")
+    assert {**d_after, "prefix_holds": 0} == {**d_before, "prefix_holds": 0}
+    assert decode.kv_transfers.remote().result()["count"] == transfers
