@@ -5,7 +5,7 @@ AVX-512 16 x 16 register transposes, AVX2 8 x 8 ones, or a plain loop, chosen at
 ``-march=native``. The suite only ever tests the path of the machine it runs on; this script builds
 the other paths here too (``-mno-avx512f``, then also ``-mno-avx2``), checks that every build gives
 the same bits on a grid of shapes (dtypes, head dims, block sizes, GQA ratios, decodes and a
-prefill chunk), and times a decode step of 32 sequences at 2,048 tokens on each (min of repeats).
+prefill chunk, 5 and 40 sequences), and times a decode step of 32 sequences at 2,048 tokens on each (min of repeats).
 Exits non-zero if two builds differ.
 
     python benchmarks/kernel_isa_paths.py [--repeats 10]
@@ -69,12 +69,12 @@ def main() -> int:
     grid = list(itertools.product((torch.float32, torch.bfloat16, torch.float16), (64, 128, 40, 24), (16, 8),
                                   ((9, 3), (4, 4), (8, 1))))
     differing = []
-    for dtype, head_dim, block_size, heads in grid:
-        inputs = case(dtype, head_dim, block_size, heads, seqs=5, context=100, decode_only=False)
+    for (dtype, head_dim, block_size, heads), seqs in itertools.product(grid, (5, 40)):  # tasks of one kv head, of all
+        inputs = case(dtype, head_dim, block_size, heads, seqs=seqs, context=100, decode_only=False)
         outs = {name: attend(kernel, inputs) for name, kernel in kernels.items()}
-        differing += [(name, dtype, head_dim, block_size, heads) for name, out in outs.items()
+        differing += [(name, dtype, head_dim, block_size, heads, seqs) for name, out in outs.items()
                       if not torch.equal(out, outs["avx512"])]
-    print(f"{len(grid)} shape cases, builds {', '.join(kernels)}: "
+    print(f"{2 * len(grid)} shape cases, builds {', '.join(kernels)}: "
           + ("the same bits" if not differing else f"DIFFERENT bits in {differing}"))
     for dtype in (torch.float32, torch.bfloat16):
         inputs = case(dtype, 64, 16, (9, 3), seqs=32, context=2048, decode_only=True)

@@ -53,7 +53,10 @@ def test_cpu_paged_equals_the_reference(dtype, tolerance, heads, window, kind, b
 def test_a_row_is_the_same_whatever_the_step_around_it(dtype, d):
     """The kernel's promise to the batch-invariant mode: a query row's bits do not depend on the
     other rows of its step, nor on whether its position comes in a prefill chunk or as a decode.
-    Head dim 64 takes the kernel's compiled-size path, 40 the one with sizes read at run time."""
+    Head dim 64 takes the kernel's compiled-size path, 40 the one with sizes read at run time.
+    Beside one short sequence a task takes one kv head; beside twelve decodes, on one thread,
+    there are tasks enough for each to take all three (the kernel's kTasksPerThread): both ways
+    give the same bits."""
     block_size = 16
     generator = torch.Generator().manual_seed(2)
     seqs, slots = step([(0, 90)], block_size)
@@ -64,13 +67,22 @@ def test_a_row_is_the_same_whatever_the_step_around_it(dtype, d):
     whole, k_cache, v_cache = attend(backend, seqs, slots, q, k, v, caches, None, block_size)
     reference, _, _ = attend(torch_sdpa.BACKEND, seqs, slots, q, k, v, caches, None, block_size)
     torch.testing.assert_close(whole.float(), reference.float(), atol=2e-2, rtol=2e-2)
-    for start, n in [(0, 7), (7, 57), (64, 1), (65, 25)]:  # chunks of 7, 57, a decode, 25: the same bits
-        chunk = [AttentionSeq(0, n, start, table), AttentionSeq(n, 3, 5, table)]  # beside another sequence
-        rows = slice(start, start + n)
-        q_step = torch.cat([q[rows], q[5:8]])
-        out = backend.prepare(torch.cat([slots[rows], slots[5:8]]), chunk, {None}, block_size, CPU).attend(
-            q_step, torch.cat([k[rows], k[5:8]]), torch.cat([v[rows], v[5:8]]), k_cache, v_cache, None)
-        assert torch.equal(out[:n], whole[rows])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for start, n in [(0, 7), (7, 57), (64, 1), (65, 25)]:  # chunks of 7, 57, a decode, 25: the same bits
+            for beside in ([(5, 3)], [(p, 1) for p in range(5, 17)]):  # another sequence, or twelve decodes
+                chunk, flat = [AttentionSeq(0, n, start, table)], n
+                for p, m in beside:  # sequences sharing the table: they rewrite the K/V already there
+                    chunk.append(AttentionSeq(flat, m, p, table))
+                    flat += m
+                rows = [torch.arange(start, start + n)] + [torch.arange(p, p + m) for p, m in beside]
+                rows = torch.cat(rows)
+                out = backend.prepare(slots[rows], chunk, {None}, block_size, CPU).attend(
+                    q[rows], k[rows], v[rows], k_cache, v_cache, None)
+                assert torch.equal(out[:n], whole[start:start + n]), (start, n, len(beside))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_backend_choice():

@@ -37,6 +37,7 @@ namespace {
 constexpr int kMaxBlock = 64;   // largest block_size the kernel takes
 constexpr int kQueryTile = 16;  // query positions per task: they share each K/V block they read
 constexpr int kRowTile = 4;     // query rows scored together against a block's keys
+constexpr int kTasksPerThread = 8;  // query tiles per thread above which a task takes all kv heads
 
 // exp(x) for x <= 0 (softmax arguments), to ~1 ulp: 2^n * 2^f with f in [-0.5, 0.5] and a degree-7
 // polynomial. Plain code the compiler vectorizes; the same code runs for every row.
@@ -189,14 +190,17 @@ inline void prefetch_block(const scalar_t* k_cache, const scalar_t* v_cache, int
 
 struct Task {
   int64_t group;
-  int64_t first;  // first query of the group in this task
-  int64_t count;  // queries in this task
-  int64_t head;   // kv head
+  int64_t first;       // first query of the group in this task
+  int64_t count;       // queries in this task
+  int64_t head_begin;  // kv heads [head_begin, head_end)
+  int64_t head_end;
 };
 
 // kBlock, kHeadDim: the block size and head dim fixed at compile time for the common shapes (0: read
 // from the arguments). Fixed trip counts let the compiler keep a row tile's scores and a row's
 // accumulator in registers; the operations and their order are the same either way.
+// A task's KV heads are visited head by head inside each block: the block's rows of those heads
+// are one stretch of memory, read in order.
 template <typename scalar_t, int kBlock, int kHeadDim>
 void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
                  const scalar_t* __restrict__ v_cache, scalar_t* __restrict__ out, const int32_t* __restrict__ tables,
@@ -206,97 +210,108 @@ void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_
   const int64_t block_size = kBlock ? kBlock : block_size_arg;
   const int64_t head_dim = kHeadDim ? kHeadDim : head_dim_arg;
   const int64_t group_size = num_heads / num_kv_heads;
-  const int64_t rows = task.count * group_size;  // query rows: (query position, head of the group)
+  const int64_t heads = task.head_end - task.head_begin;
+  const int64_t rows = task.count * group_size;  // query rows per kv head: (query position, head of the group)
   const int64_t tiled_rows = (rows + kRowTile - 1) / kRowTile * kRowTile;  // the last tile padded with zero rows
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int32_t* table = tables + task.group * table_stride;  // one table row per group
   const int64_t first_pos = group_pos[task.group] + task.first;
   const int64_t last_pos = first_pos + task.count - 1;
 
-  std::vector<float> query(tiled_rows * head_dim, 0.0f), acc(rows * head_dim, 0.0f);  // [rows, D]
-  std::vector<float> running_max(rows, -std::numeric_limits<float>::infinity()), running_sum(rows, 0.0f);
-  std::vector<float> scores(tiled_rows * block_size);  // [rows, B] this block's scores
+  // Per kv head h of the task: query [tiled_rows, D] at h * tiled_rows * D, acc [rows, D] at h * rows * D,
+  // running max and sum [rows] at h * rows.
+  std::vector<float> query(heads * tiled_rows * head_dim, 0.0f), acc(heads * rows * head_dim, 0.0f);
+  std::vector<float> running_max(heads * rows, -std::numeric_limits<float>::infinity()), running_sum(heads * rows, 0.0f);
+  std::vector<float> scores(tiled_rows * block_size);  // [rows, B] this block's scores, for one head
   // [D, B] keys transposed; [B, D] values as floats (unused in float32, read in place)
   std::vector<float> keys_t(head_dim * block_size), values(std::is_same_v<scalar_t, float> ? 0 : block_size * head_dim);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = group_row[task.group] + task.first + r / group_size;
-    const int64_t head = task.head * group_size + r % group_size;
-    const scalar_t* src = q + (token * num_heads + head) * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) query[r * head_dim + d] = to_float(src[d]);
-  }
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t token = group_row[task.group] + task.first + r / group_size;
+      const int64_t head = (task.head_begin + h) * group_size + r % group_size;
+      const scalar_t* src = q + (token * num_heads + head) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) query[(h * tiled_rows + r) * head_dim + d] = to_float(src[d]);
+    }
 
   const int64_t lowest_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   float probs[kMaxBlock];
   for (int64_t block = lowest_key / block_size; block <= last_pos / block_size; ++block) {
     const int64_t block_start = block * block_size;
-    const int64_t base = static_cast<int64_t>(table[block]) * block_size * slot_stride + task.head * head_dim;
     if (block < last_pos / block_size) prefetch_block(k_cache, v_cache, table[block + 1], block_size, slot_stride,
-                                                      task.head * head_dim, head_dim);
-    transpose_keys(k_cache + base, slot_stride, block_size, head_dim, keys_t.data());
-    // Row j of the block's values, as floats: read in place in float32, converted once per block otherwise.
-    const float* block_values;
-    int64_t values_stride;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      block_values = v_cache + base;
-      values_stride = slot_stride;
-    } else {
-      for (int64_t j = 0; j < block_size; ++j) {
-        const scalar_t* v_row = v_cache + base + j * slot_stride;
-        for (int64_t d = 0; d < head_dim; ++d) values[j * head_dim + d] = to_float(v_row[d]);
+                                                      task.head_begin * head_dim, heads * head_dim);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t base = static_cast<int64_t>(table[block]) * block_size * slot_stride + (task.head_begin + h) * head_dim;
+      const float* head_query = &query[h * tiled_rows * head_dim];
+      float* head_acc = &acc[h * rows * head_dim];
+      float* head_max = &running_max[h * rows];
+      float* head_sum = &running_sum[h * rows];
+      transpose_keys(k_cache + base, slot_stride, block_size, head_dim, keys_t.data());
+      // Row j of the block's values, as floats: read in place in float32, converted once per block otherwise.
+      const float* block_values;
+      int64_t values_stride;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        block_values = v_cache + base;
+        values_stride = slot_stride;
+      } else {
+        for (int64_t j = 0; j < block_size; ++j) {
+          const scalar_t* v_row = v_cache + base + j * slot_stride;
+          for (int64_t d = 0; d < head_dim; ++d) values[j * head_dim + d] = to_float(v_row[d]);
+        }
+        block_values = values.data();
+        values_stride = head_dim;
       }
-      block_values = values.data();
-      values_stride = head_dim;
-    }
-    // Every row's score against every key of the block, kRowTile rows at a time (independent chains
-    // that keep the FMA units busy); a score is a chain of FMAs over d = 0..D-1. Keys a row may not
-    // see are scored too and then ignored.
-    for (int64_t r0 = 0; r0 < tiled_rows; r0 += kRowTile) {
-      float tile[kRowTile][kBlock ? kBlock : kMaxBlock] = {};
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const float* kd = &keys_t[d * block_size];
-        for (int rr = 0; rr < kRowTile; ++rr) {
-          const float qd = query[(r0 + rr) * head_dim + d];
-          for (int64_t j = 0; j < block_size; ++j) tile[rr][j] = std::fma(qd, kd[j], tile[rr][j]);
+      // Every row's score against every key of the block, kRowTile rows at a time (independent chains
+      // that keep the FMA units busy); a score is a chain of FMAs over d = 0..D-1. Keys a row may not
+      // see are scored too and then ignored.
+      for (int64_t r0 = 0; r0 < tiled_rows; r0 += kRowTile) {
+        float tile[kRowTile][kBlock ? kBlock : kMaxBlock] = {};
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const float* kd = &keys_t[d * block_size];
+          for (int rr = 0; rr < kRowTile; ++rr) {
+            const float qd = head_query[(r0 + rr) * head_dim + d];
+            for (int64_t j = 0; j < block_size; ++j) tile[rr][j] = std::fma(qd, kd[j], tile[rr][j]);
+          }
+        }
+        for (int rr = 0; rr < kRowTile; ++rr)
+          for (int64_t j = 0; j < block_size; ++j) scores[(r0 + rr) * block_size + j] = tile[rr][j];
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = first_pos + r / group_size;
+        const int64_t first_key = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        const int64_t lo = std::max<int64_t>(first_key - block_start, 0);
+        const int64_t hi = std::min<int64_t>(pos - block_start + 1, block_size);  // visible keys: [lo, hi)
+        if (lo >= hi) continue;  // the row sees nothing in this block
+        float* sr = &scores[r * block_size];
+        float block_max = -std::numeric_limits<float>::infinity();
+        for (int64_t j = lo; j < hi; ++j) {
+          sr[j] *= scale;
+          block_max = max_of(block_max, sr[j]);
+        }
+        const float new_max = max_of(head_max[r], block_max);
+        const float rescale = exp_nonpositive(head_max[r] - new_max);  // 0 on the row's first block
+        head_max[r] = new_max;
+        for (int64_t j = lo; j < hi; ++j) probs[j] = exp_nonpositive(sr[j] - new_max);
+        float block_sum = 0.0f;
+        for (int64_t j = lo; j < hi; ++j) block_sum += probs[j];
+        head_sum[r] = std::fma(head_sum[r], rescale, block_sum);
+        float* ar = &head_acc[r * head_dim];
+        for (int64_t d = 0; d < head_dim; ++d) ar[d] *= rescale;
+        for (int64_t j = lo; j < hi; ++j) {
+          const float p = probs[j];
+          const float* vj = block_values + j * values_stride;
+          for (int64_t d = 0; d < head_dim; ++d) ar[d] = std::fma(p, vj[d], ar[d]);
         }
       }
-      for (int rr = 0; rr < kRowTile; ++rr)
-        for (int64_t j = 0; j < block_size; ++j) scores[(r0 + rr) * block_size + j] = tile[rr][j];
     }
+  }
+  for (int64_t h = 0; h < heads; ++h)
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = first_pos + r / group_size;
-      const int64_t first_key = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const int64_t lo = std::max<int64_t>(first_key - block_start, 0);
-      const int64_t hi = std::min<int64_t>(pos - block_start + 1, block_size);  // visible keys: [lo, hi)
-      if (lo >= hi) continue;  // the row sees nothing in this block
-      float* sr = &scores[r * block_size];
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = lo; j < hi; ++j) {
-        sr[j] *= scale;
-        block_max = max_of(block_max, sr[j]);
-      }
-      const float new_max = max_of(running_max[r], block_max);
-      const float rescale = exp_nonpositive(running_max[r] - new_max);  // 0 on the row's first block
-      running_max[r] = new_max;
-      for (int64_t j = lo; j < hi; ++j) probs[j] = exp_nonpositive(sr[j] - new_max);
-      float block_sum = 0.0f;
-      for (int64_t j = lo; j < hi; ++j) block_sum += probs[j];
-      running_sum[r] = std::fma(running_sum[r], rescale, block_sum);
-      float* ar = &acc[r * head_dim];
-      for (int64_t d = 0; d < head_dim; ++d) ar[d] *= rescale;
-      for (int64_t j = lo; j < hi; ++j) {
-        const float p = probs[j];
-        const float* vj = block_values + j * values_stride;
-        for (int64_t d = 0; d < head_dim; ++d) ar[d] = std::fma(p, vj[d], ar[d]);
-      }
+      const int64_t token = group_row[task.group] + task.first + r / group_size;
+      const int64_t head = (task.head_begin + h) * group_size + r % group_size;
+      scalar_t* dst = out + (token * num_heads + head) * head_dim;
+      const float inv = 1.0f / running_sum[h * rows + r];
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[(h * rows + r) * head_dim + d] * inv);
     }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = group_row[task.group] + task.first + r / group_size;
-    const int64_t head = task.head * group_size + r % group_size;
-    scalar_t* dst = out + (token * num_heads + head) * head_dim;
-    const float inv = 1.0f / running_sum[r];
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv);
-  }
 }
 
 // out, q: [N, Hq, D]; k_cache, v_cache: [S, Hkv, D] with S = blocks * block_size; tables: [G, MB] int32,
@@ -314,11 +329,16 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention: query heads must be a multiple of kv heads");
   const int64_t num_groups = group_len.size(0);
   const int64_t* lengths = group_len.data_ptr<int64_t>();
+  // A task takes every kv head of its query tile when there are tasks enough to keep each thread
+  // busy (kTasksPerThread), one head otherwise; the choice moves no row's arithmetic.
+  int64_t tiles = 0;
+  for (int64_t g = 0; g < num_groups; ++g) tiles += (lengths[g] + kQueryTile - 1) / kQueryTile;
+  const int64_t heads_per_task = tiles >= kTasksPerThread * at::get_num_threads() ? num_kv_heads : 1;
   std::vector<Task> tasks;
-  for (int64_t h = 0; h < num_kv_heads; ++h)
+  for (int64_t h = 0; h < num_kv_heads; h += heads_per_task)
     for (int64_t g = 0; g < num_groups; ++g)
       for (int64_t first = 0; first < lengths[g]; first += kQueryTile)
-        tasks.push_back({g, first, std::min<int64_t>(kQueryTile, lengths[g] - first), h});
+        tasks.push_back({g, first, std::min<int64_t>(kQueryTile, lengths[g] - first), h, h + heads_per_task});
   // Longest contexts first, then handed out one at a time: tasks differ in cost by their context length.
   const int64_t* positions = group_pos.data_ptr<int64_t>();
   std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
