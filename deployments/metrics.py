@@ -23,6 +23,9 @@ from deployments.health import app_deployments
 from deployments.tracing import RequestTrace
 
 STATUS_TIMEOUT_S = 5.0  # Serve's status, read at each scrape for the replica counts
+# A deployment's stats, read at each scrape: a replica that does not answer in time (stalled,
+# SIGSTOPped) leaves its gauges at their last values instead of holding the scrape with it.
+STATS_TIMEOUT_S = 2.0
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BYTES_BUCKETS = tuple(4 ** k * 1024 for k in range(1, 12))  # 4 KiB .. 4 GiB
 
@@ -104,7 +107,8 @@ class IngressMetrics:
         then the text exposition."""
         handles = backend.handles
         names = list(handles)
-        stats = await asyncio.gather(*(handles[n].stats.remote() for n in names), return_exceptions=True)
+        stats = await asyncio.gather(*(asyncio.wait_for(handles[n].stats.remote(), STATS_TIMEOUT_S) for n in names),
+                                     return_exceptions=True)
         for name, s in zip(names, stats):
             if isinstance(s, BaseException):
                 continue
@@ -130,9 +134,13 @@ class IngressMetrics:
         for name, count in (await running_replicas()).items():
             self.replicas.labels(name).set(count)
         if "DecodeServer" in handles:
-            transfers = await handles["DecodeServer"].kv_transfers.remote()
-            self.kv_bytes.set(transfers["bytes"])
-            self.kv_transfers.set(transfers["count"])
+            try:
+                transfers = await asyncio.wait_for(handles["DecodeServer"].kv_transfers.remote(), STATS_TIMEOUT_S)
+            except Exception:  # a stalled (TimeoutError) or failed D: the last values stay
+                transfers = None
+            if transfers is not None:
+                self.kv_bytes.set(transfers["bytes"])
+                self.kv_transfers.set(transfers["count"])
         return generate_latest(self.registry)
 
 

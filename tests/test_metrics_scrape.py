@@ -1,0 +1,47 @@
+"""A /metrics scrape is not held by a replica that does not answer (the soak found it hanging while
+a replica was SIGSTOPped: benchmarks/RESULTS.md, the chaos soak)."""
+
+import asyncio
+from types import SimpleNamespace
+
+from deployments.metrics import IngressMetrics
+from engine.async_engine import EngineStats
+
+
+class Answering:
+    """A deployment's ``.remote()`` call that answers at once."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def remote(self):
+        async def answer():
+            return self.value
+        return answer()
+
+
+class Silent:
+    """A deployment's ``.remote()`` call to a stopped replica: it never answers."""
+
+    def remote(self):
+        return asyncio.get_running_loop().create_future()
+
+
+def stats(blocks_used: int) -> EngineStats:
+    return EngineStats(blocks_total=64, blocks_used=blocks_used, blocks_cached=0, waiting_by_priority={5: 1},
+                       running=1, finished_by_reason={}, prefix_cache_queries=0, prefix_cache_hits=0,
+                       prompt_tokens_computed=0, queued_prompt_tokens=0, spec_decode_num_drafts=0,
+                       spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0, dtype="float32",
+                       requests=1, prefix_holds=0)
+
+
+def test_a_silent_replica_leaves_its_gauges_and_the_scrape_answers():
+    backend = SimpleNamespace(handles={
+        "PrefillServer": SimpleNamespace(stats=Answering(stats(blocks_used=7))),
+        "DecodeServer": SimpleNamespace(stats=Silent(), kv_transfers=Silent()),
+    })
+    metrics = IngressMetrics()
+    # Far above the metrics' own bound (STATS_TIMEOUT_S); without one the scrape waits forever.
+    text = asyncio.run(asyncio.wait_for(metrics.render(backend), 20)).decode()
+    assert 'pdserve_kv_blocks{deployment="PrefillServer",state="used"} 7.0' in text
+    assert 'deployment="DecodeServer"' not in text  # no answer: no gauge made up for it
