@@ -25,8 +25,8 @@ from deployments.failures import client_error
 from dialects.errors import APIError
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import (RAY_INTERNALS, assert_nothing_held, migrations, processes, replicas, serve_session,
-                           sigkill, stopped)
+from tests.serving import (RAY_INTERNALS, assert_nothing_held, deploy, migrations, processes, replicas,
+                           serve_session, sigkill, stopped)
 
 LONG = 1500  # tokens a stream asks for: it is still running when the replica is killed
 DECODE_REPLICAS = 2
@@ -40,12 +40,11 @@ def base_url():
         # A migrated stream recomputes its tokens' KV in one prefill; batch-invariant mode (on in the suite,
         # tests/conftest.py) makes that equal to the KV the decode steps wrote in every dtype: PD in float32,
         # colocated in bfloat16, so each exact-text assertion holds in both.
-        serve.run(pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
-                          "kv_lease_s": KV_LEASE_S, "stall_timeout_s": STALL_TIMEOUT_S, "pd_local_prefill_tokens": 0},
-                         decode_options={"num_replicas": DECODE_REPLICAS}), name="pd", route_prefix="/")
-        serve.run(colocated_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "bfloat16",
-                                 "batch_invariant": True}),
-                  name="co", route_prefix="/co")
+        deploy({"pd": pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
+                              "kv_lease_s": KV_LEASE_S, "stall_timeout_s": STALL_TIMEOUT_S,
+                              "pd_local_prefill_tokens": 0}, decode_options={"num_replicas": DECODE_REPLICAS}),
+                "co": colocated_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False,
+                                     "dtype": "bfloat16", "batch_invariant": True})}, {"pd": "/"})
         for app_url in (url, f"{url}/co"):  # each ingress has learnt its engines before any fault
             eventually_ok(app_url)
         yield url
@@ -104,6 +103,14 @@ def reference_text(url: str, path: str, body: dict) -> str:
     return answer["generated_text"] if path == "/infer_token" else answer["choices"][0]["text"]
 
 
+def reference_texts(url: str) -> list[str]:
+    """The text a fault-free run of each of ``bodies(False)`` gives, the four asked at once
+    (batch-invariant mode, tests/conftest.py: the same texts as one at a time, as the four streams
+    under test are batched too)."""
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda pb: reference_text(url, *pb), bodies(False)))
+
+
 def test_each_failure_maps_to_a_status_a_client_can_act_on():
     told = {kind: client_error(error) for kind, error in {
         "died": ray.exceptions.ActorDiedError(), "unavailable": ray.exceptions.ActorUnavailableError("x", b"1" * 16),
@@ -146,7 +153,7 @@ def test_decode_replica_killed_mid_stream_every_stream_completes(base_url):
     assert migrations(base_url) > before_kill  # streams were on the killed replica, and moved
     assert killed not in decode_replicas()
     # No token lost or repeated: each text is the one a fault-free run of the same request gives.
-    assert streamed == [reference_text(base_url, path, body) for path, body in bodies(False)]
+    assert streamed == reference_texts(base_url)
     serving_resumes(base_url, killed)
 
 
@@ -164,7 +171,7 @@ def test_decode_replica_stopped_mid_stream_its_streams_move_and_complete_while_i
             moved = migrations(base_url) - before
         assert frozen.is_running()  # stopped, never killed: only the ingress's watch could see it
     assert 0 < moved <= len(texts)  # each stream on the stopped D moved once, to the live one
-    assert streamed == [reference_text(base_url, path, body) for path, body in bodies(False)]
+    assert streamed == reference_texts(base_url)
     # Running again, the stopped D learns its calls were cancelled and frees what they held.
     assert_nothing_held(["DecodeServer"], "pd", 120)
 
@@ -245,7 +252,9 @@ def test_a_kv_lease_that_expires_prefills_again_then_ends_cleanly(base_url):
     tokens = [e["token"]["text"] for e in events if e["token"] is not None]
     assert len(tokens) == 4 and last["details"]["generated_tokens"] == 4
     eventually_ok(base_url)  # serving goes on once D runs again
-    assert reference_text(base_url, path, {**body, "stream": False}).startswith("".join(tokens))
+    # The fault-free greedy continuation's start (16 tokens of it: greedy, its first 4 are these).
+    start = {**body, "stream": False, "parameters": {**body["parameters"], "max_new_tokens": 16}}
+    assert reference_text(base_url, path, start).startswith("".join(tokens))
 
 
 @pytest.mark.slow
