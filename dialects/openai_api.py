@@ -4,7 +4,6 @@ whole responses (streams: dialects/openai_stream.py). docs/api.md has every deci
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 import json
 import re
@@ -44,8 +43,6 @@ class Choice:
     scores_only: bool = False
     may_call_tools: bool = False  # the output is parsed for tool calls (message.tool_calls)
     reasoning: ReasoningParser | None = None  # the output thinks first: reasoning_content, then content
-    # include_stop_str_in_output: the tokenizer's decode of output ids (the engine cuts the stop string off)
-    decode: Callable[[list[int]], str] | None = None
     outputs: list[RequestOutput] = field(default_factory=list)
 
     @property
@@ -58,16 +55,7 @@ class Choice:
 
     @property
     def text(self) -> str:
-        return "" if self.scores_only else self.final.text + self.kept_stop(self.final)
-
-    def kept_stop(self, output: RequestOutput) -> str:
-        """With include_stop_str_in_output, the stop string that ended ``output`` (its last), which
-        the engine cut from the text; as vLLM, the text then ends with it (what the same token
-        held after it stays cut). "" otherwise (no flag, or ended by EOS, length or a stop id)."""
-        if self.decode is None or not output.finished or output.finish_reason != STOP:
-            return ""
-        raw = self.decode(output.output_token_ids or [])
-        return next((s for s in self.request.params.stop if raw.startswith(s, len(output.text))), "")
+        return "" if self.scores_only else self.final.text
 
     def mean_logprob(self) -> float:
         """best_of's ranking: the generated tokens' mean logprob."""
@@ -141,8 +129,8 @@ class OpenAIFrontend:
         params = self._params(body, (body.top_logprobs or 0) if body.logprobs else None, grammar=grammar)
         request = GenerationRequest(f"{request_id}-0", prompt_ids, params, body.priority, deadline, body.n,
                                     prompt_lookup=body.prompt_lookup, lora=lora)
-        return [Choice(j, 0, len(prompt_ids), request, may_call_tools=tools is not None, reasoning=reasoning,
-                       decode=self._stop_decoder(body, params)) for j in range(body.n)]
+        return [Choice(j, 0, len(prompt_ids), request, may_call_tools=tools is not None, reasoning=reasoning)
+                for j in range(body.n)]
 
     def template_kwargs(self, body: ChatCompletionRequest) -> dict:
         """chat_template_kwargs and reasoning_effort for the template: each must be one it reads."""
@@ -226,15 +214,9 @@ class OpenAIFrontend:
             prefix = "" if not body.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
             request = GenerationRequest(f"{request_id}-{i}", prompt_ids, params, body.priority, deadline, made,
                                         prompt_lookup=body.prompt_lookup, lora=lora)
-            choices += [Choice(i * made + j, i, len(prompt_ids), request, prefix, echo_logprobs, scores_only,
-                               decode=self._stop_decoder(body, params)) for j in range(made)]
+            choices += [Choice(i * made + j, i, len(prompt_ids), request, prefix, echo_logprobs, scores_only)
+                        for j in range(made)]
         return choices
-
-    def _stop_decoder(self, body: SamplingFields, params: SamplingParams) -> Callable[[list[int]], str] | None:
-        """include_stop_str_in_output: how a choice finds the stop string the engine cut."""
-        if not body.include_stop_str_in_output or not params.stop:
-            return None
-        return lambda ids: self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
     def _prompt_ids(self, body: CompletionRequest, i: int, prompt: str | list[int]) -> list[int]:
         param = "prompt" if len(body.prompts()) == 1 else f"prompt.{i}"
@@ -289,6 +271,7 @@ class OpenAIFrontend:
             top_p=body.top_p, top_k=max(body.top_k or 0, 0), min_p=body.min_p,
             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop_list(), logprobs=logprobs,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             prompt_logprobs=prompt_logprobs, logit_bias=bias, ignore_eos=body.ignore_eos, grammar=grammar,
             min_new_tokens=body.min_tokens, stop_token_ids=[[t] for t in stop_ids],
             skip_special_tokens=body.skip_special_tokens)

@@ -39,7 +39,7 @@ class StreamWriter:
         if first and not self.chat:
             entries += prompt_logprobs(choice, output)
         entries += generated_logprobs(choice, [output])
-        text = "" if choice.scores_only else output.new_text + choice.kept_stop(output)
+        text = "" if choice.scores_only else output.new_text
         if self.chat:
             deltas = self._chat_deltas(position, text, output.finished)
         else:

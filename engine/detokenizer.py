@@ -5,10 +5,12 @@ recent tokens with and without it (vLLM's prefix/read offsets), so a step costs 
 not O(length). A piece is released only when it does not end in U+FFFD, i.e. when no
 multi-byte character is still incomplete. When the request finishes, the tail is
 reconciled with one full ``decode``, so the released pieces concatenate to exactly
-``tokenizer.decode(output_ids)`` (cut before a stop string when one matched).
+``tokenizer.decode(output_ids)`` (cut before a stop string when one matched, or after it).
 
 While stop strings are set, the last ``len(longest stop) - 1`` characters are held back:
-they might be the start of a stop string, which must never reach the client.
+they might be the start of a stop string, which must never reach the client. With
+``keep_stop`` (vLLM's include_stop_str_in_output) the text ends with the stop string that
+matched instead of before it.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str], skip_special_tokens: bool = True,
+                 keep_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.keep_stop = keep_stop
         self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
@@ -59,10 +63,11 @@ class IncrementalDetokenizer:
     def _cut_at_stop(self) -> bool:
         # Only text not yet released can hold a new match; stop strings may straddle the boundary.
         start = max(0, self.released - self.hold_back)
-        cuts = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        cuts = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if not cuts:
             return False
-        self.text = self.text[: min(cuts)]
+        at, matched = min(cuts, key=lambda cut: cut[0])  # the earliest match; at a tie, the first listed
+        self.text = self.text[: at + len(matched) if self.keep_stop else at]
         return True
 
     def _release(self, end: int) -> str:

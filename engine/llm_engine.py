@@ -159,7 +159,8 @@ class LLMEngine(RequestValidation, PrefillHandOver, BeamSteps, DraftSteps, Offli
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
         """A detokenizer that has seen seq's output so far (a resumed request's earlier tokens,
         whose text the client has): its held-back text and stop-string state go on from there."""
-        detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop, seq.params.skip_special_tokens)
+        p = seq.params
+        detok = IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens, p.include_stop_str_in_output)
         for token in seq.output_ids:
             detok.add(token)
         return detok

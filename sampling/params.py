@@ -51,6 +51,7 @@ class SamplingParams:
     eos_token_id: int | None = None  # overrides the model's EOS (TensorRT-LLM's end_id)
     stop_token_ids: list[list[int]] = field(default_factory=list)  # token-id sequences
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string that matched
     skip_special_tokens: bool = True
     grammar: Grammar | None = None  # the output must match it (sampling/grammar.py)
     # Beam search (engine/decoding/beam_search.py): width 1 is off. Beams score the model's own

@@ -46,3 +46,23 @@ def test_stop_string_is_held_back_and_cut(tokenizer):
     pieces.append(detok.finish())
     assert "".join(pieces) == "hello "
     assert not any("wor" in p for p in pieces)
+
+
+@pytest.mark.parametrize("stop,expected", [
+    (["world"], "hello world"),
+    (["and", "lo wo"], "hello wo"),  # the one that appears first in the text
+    (["wor", "world"], "hello wor"),  # a tie at the same place: the first listed
+])
+def test_keep_stop_ends_the_text_with_the_stop_string_that_matched(tokenizer, stop, expected):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string instead of before it."""
+    ids = tokenizer.encode("hello world and more", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=stop, keep_stop=True)
+    pieces, stopped = [], False
+    for i in ids:
+        piece, stopped = detok.add(i)
+        pieces.append(piece)
+        if stopped:
+            break
+    assert stopped
+    pieces.append(detok.finish())
+    assert "".join(pieces) == detok.text == expected
