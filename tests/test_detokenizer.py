@@ -32,10 +32,8 @@ def test_incomplete_character_at_the_end_matches_decode(tokenizer):
     assert "".join(pieces) == tokenizer.decode(ids)
 
 
-def test_stop_string_is_held_back_and_cut(tokenizer):
-    text = "hello wor" + "ld and more"
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, stop=["world"])
+def streamed_until_stop(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    """The pieces released token by token until a stop string matches (it must), then the rest."""
     pieces, stopped = [], False
     for i in ids:
         piece, stopped = detok.add(i)
@@ -43,7 +41,14 @@ def test_stop_string_is_held_back_and_cut(tokenizer):
         if stopped:
             break
     assert stopped
-    pieces.append(detok.finish())
+    return pieces + [detok.finish()]
+
+
+def test_stop_string_is_held_back_and_cut(tokenizer):
+    text = "hello wor" + "ld and more"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=["world"])
+    pieces = streamed_until_stop(detok, ids)
     assert "".join(pieces) == "hello "
     assert not any("wor" in p for p in pieces)
 
@@ -57,12 +62,5 @@ def test_keep_stop_ends_the_text_with_the_stop_string_that_matched(tokenizer, st
     """vLLM's include_stop_str_in_output: the text ends after the stop string instead of before it."""
     ids = tokenizer.encode("hello world and more", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, stop=stop, keep_stop=True)
-    pieces, stopped = [], False
-    for i in ids:
-        piece, stopped = detok.add(i)
-        pieces.append(piece)
-        if stopped:
-            break
-    assert stopped
-    pieces.append(detok.finish())
+    pieces = streamed_until_stop(detok, ids)
     assert "".join(pieces) == detok.text == expected
