@@ -85,6 +85,18 @@ def object_store_bytes() -> int:
     return get_memory_info_reply(get_state_from_address()).store_stats.object_store_bytes_used
 
 
+def settled_object_store_bytes(bound_s: float = 30.0) -> int:
+    """The object store's bytes once the last requests' KV has gone: two reads a second apart agree."""
+    reads = [object_store_bytes()]
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        reads.append(object_store_bytes())
+        if reads[-1] == reads[-2]:
+            break
+    return reads[-1]
+
+
 def server_statuses(url: str) -> Counter:
     """The ingress's count of generation requests by status (pdserve_requests_total)."""
     counts: Counter = Counter()
@@ -268,7 +280,7 @@ def run_soak(url: str, app_kind: str, seconds: float, fault_every_s: float, seed
     soak = Soak(url, app_kind, seed, rss_every_s, app)
     soak.take_references()
     capacity = soak.capacity(capacity_s)
-    baseline, statuses_before = object_store_bytes(), server_statuses(url)
+    baseline, statuses_before = settled_object_store_bytes(), server_statuses(url)
     soak.run(seconds, load * capacity, fault_every_s, fault_kinds or kinds(app_kind))
     drained = soak.drained(baseline, statuses_before)
     invariants = check(soak.records, soak.references, drained)
