@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import math
 
+import numpy as np
 import torch
 
 from sampling.batch import SamplingBatch
@@ -36,6 +37,15 @@ class SamplerOutput:
 
 
 BACKENDS = ("auto", "native", "ascend")
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[R] int64: each row's argmax of ``logits`` [R, V], the first index of the maximum (a NaN
+    counts as the maximum). On the CPU through numpy, whose argmax is vectorised (torch's took
+    1.4-1.7 ms for [32, 49152] here, numpy's 0.24: benchmarks/RESULTS.md); the same index."""
+    if logits.device.type != "cpu":
+        return logits.argmax(-1)
+    return torch.from_numpy(np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False))
 
 
 class Sampler:
@@ -70,10 +80,10 @@ class Sampler:
 
         greedy_rows, sampled_rows, draft_rows = batch.greedy_rows, batch.sampled_rows, batch.draft_rows
         if not sampled_rows.numel() and not draft_rows.numel():  # all greedy: no scatter
-            return self._output(logits.argmax(-1), logprob_table, batch)
+            return self._output(greedy(logits), logprob_table, batch)
         token_ids = torch.empty(len(batch.rows), dtype=torch.int64, device=logits.device)
         if greedy_rows.numel():
-            token_ids[greedy_rows] = logits[greedy_rows].argmax(-1)
+            token_ids[greedy_rows] = greedy(logits[greedy_rows])
         self._apply_min_p(logits, batch)
         if sampled_rows.numel():
             token_ids[sampled_rows] = self._sample(logits, batch, sampled_rows)

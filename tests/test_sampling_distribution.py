@@ -124,3 +124,17 @@ def test_noise_is_exponential_and_keyed_by_seed_step_token():
     other_step = exponential_noise(torch.tensor([7]), torch.tensor([0]), torch.tensor([4]), ids)[0].double()
     assert not torch.equal(other_step, q)
     assert EPS == 1e-8
+
+
+def test_greedy_rows_take_torchs_argmax_ties_nan_and_masked_rows_included():
+    """The CPU's greedy pick (numpy's argmax, faster) is torch's argmax: the first of tied maxima,
+    a NaN counted as the maximum, index 0 for a row masked to -inf, strided views too."""
+    from sampling.sampler import greedy
+
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3))
+    logits[0, 10] = logits[0, 700] = logits[0].max() + 1.0  # a tie: the first wins
+    logits[1] = -float("inf")
+    logits[2, 40] = logits[2, 50] = float("nan")
+    for view in (logits, logits[:, :999], logits[::2]):
+        assert torch.equal(greedy(view), view.argmax(-1))
+    assert greedy(logits)[:3].tolist() == [10, 0, 40]
