@@ -27,7 +27,7 @@ import llguidance
 import llguidance.hf  # not llguidance.torch: importing it loads torch._dynamo (~1.5 s a process)
 import torch
 
-from sampling.reasoning_grammar import THINK_END, THINK_MODES, THINK_START, BudgetMatcher, after_thinking
+from sampling.reasoning_grammar import THINK_END, THINK_MODES, THINK_START, BudgetMatcher, after_thinking, end_spelling
 
 Matcher = llguidance.LLMatcher
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark", "text")
@@ -142,6 +142,11 @@ class GrammarCompiler:
 
     def check(self, grammar: Grammar) -> None:
         """Compile ``grammar`` for this model unless it is cached; ValueError naming its field."""
+        if grammar.thinking_budget is not None:  # refused here, not on the engine thread mid-step
+            try:
+                end_spelling(self.tokenizer(), self._tag_tokens()[1])
+            except ValueError as error:
+                raise ValueError(f"{grammar.field}: a thinking budget needs </think> in tokens: {error}") from None
         if grammar.digest in self._compiled:
             return
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar.source(self._tag_tokens()), log_level=0)
@@ -160,7 +165,8 @@ class GrammarCompiler:
         self.check(grammar)
         matcher = self._compiled[grammar.digest].deep_copy()
         if grammar.thinking_budget is not None:
-            matcher = BudgetMatcher(matcher, self.tokenizer(), grammar.thinking, grammar.thinking_budget)
+            matcher = BudgetMatcher(matcher, self.tokenizer(), grammar.thinking, grammar.thinking_budget,
+                                    self._tag_tokens())
         if token_ids and not matcher.consume_tokens(token_ids):
             raise ValueError(f"{grammar.field}: the tokens so far do not match it: {matcher.get_error()}")
         return matcher

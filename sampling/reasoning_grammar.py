@@ -51,29 +51,40 @@ def after_thinking(source: str, mode: str, start_token: int | None = None, end_t
 class BudgetMatcher:
     """An llguidance matcher (of an ``after_thinking`` grammar) that ends the thinking after
     ``budget`` output tokens: then its mask allows only the next token of ``</think>``. The
-    engine uses it as it uses a plain matcher (consume_tokens, compute_bitmask, is_stopped)."""
+    engine uses it as it uses a plain matcher (consume_tokens, compute_bitmask, is_stopped).
+    ``tag_tokens``: the ids of <think> and </think> where each is one (special) token, as the
+    grammar was compiled with them: then only that token opens or ends the thinking, as in the
+    grammar (the same characters spelled by ordinary tokens are thinking text)."""
 
     def __init__(self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer, mode: str,
-                 budget: int) -> None:
+                 budget: int, tag_tokens: tuple[int | None, int | None] = (None, None)) -> None:
         self.matcher = matcher
         self._tokenizer = tokenizer
         self._mode = mode
         self._budget = budget
-        self._end_ids = _spelling(tokenizer, THINK_END)
-        self._bytes = b""  # the output so far, while the thinking may go on
+        self._start_token, self._end_token = tag_tokens
+        self._end_ids = end_spelling(tokenizer, self._end_token)
+        self._head = b""  # the output's first bytes, up to <think>'s length: did it open the tag?
+        self._tail = b""  # the output's last bytes, shorter than </think>: the tag may straddle tokens
+        self._outputs = 0  # output tokens so far
+        self._first_token: int | None = None
         self._thought = 0  # output tokens of the thinking (the opening tag's too), not forced
         self._forced = 0  # tokens of </think> written because the budget ran out
         self._done = False  # the thinking ended, or the output has none: the plain matcher decides
 
-    def deep_copy(self) -> BudgetMatcher:
-        copy = BudgetMatcher(self.matcher.deep_copy(), self._tokenizer, self._mode, self._budget)
-        copy._bytes, copy._thought, copy._forced, copy._done = self._bytes, self._thought, self._forced, self._done
-        return copy
+    def _opened(self) -> bool | None:
+        """Whether the output opened the thinking: None while its first bytes cannot tell yet."""
+        opening = THINK_START.encode()
+        if self._start_token is not None:
+            return None if not self._outputs else self._first_token == self._start_token
+        if self._head[:len(opening)] == opening:
+            return True
+        return None if opening.startswith(self._head) else False
 
     def _forcing(self) -> bool:
         """Whether the next token must be </think>'s next: the output is inside its thinking
         (a qwen3 opening not yet complete is not) and the budget is spent."""
-        inside = self._mode == THINKS_INSIDE or self._bytes.startswith(THINK_START.encode())
+        inside = self._mode == THINKS_INSIDE or self._opened() is True
         return not self._done and inside and self._thought >= self._budget
 
     def consume_tokens(self, tokens: list[int]) -> bool:
@@ -82,14 +93,22 @@ class BudgetMatcher:
         for token in tokens:
             if self._done:
                 break
+            if not self._outputs:
+                self._first_token = token
+            self._outputs += 1
             if self._forcing():
                 self._forced += token == self._end_ids[self._forced]  # else: it ended a cut character
             else:
                 self._thought += 1
-            self._bytes += self._tokenizer.decode_bytes([token])
-            opening = THINK_START.encode()
-            no_thinking = self._mode == THINKS_IF_OPENED and not opening.startswith(self._bytes[:len(opening)])
-            self._done = THINK_END.encode() in self._bytes or no_thinking
+            piece = self._tokenizer.decode_bytes([token])
+            self._head = (self._head + piece)[:len(THINK_START)]
+            if self._end_token is not None:
+                ended = token == self._end_token
+            else:
+                window = self._tail + piece
+                ended = THINK_END.encode() in window
+                self._tail = window[-(len(THINK_END) - 1):]
+            self._done = ended or (self._mode == THINKS_IF_OPENED and self._opened() is False)
         return True
 
     def compute_bitmask(self) -> bytes:
@@ -107,11 +126,14 @@ class BudgetMatcher:
     def is_stopped(self) -> bool:
         return self.matcher.is_stopped()
 
-    def is_error(self) -> bool:
-        return self.matcher.is_error()
-
     def get_error(self) -> str:
         return self.matcher.get_error()
+
+
+def end_spelling(tokenizer: llguidance.LLTokenizer, end_token: int | None) -> list[int]:
+    """The tokens a budget forces to end the thinking: the one </think> token where the model has
+    it, else ordinary tokens whose bytes are exactly ``</think>``; ValueError if there are none."""
+    return [end_token] if end_token is not None else _spelling(tokenizer, THINK_END)
 
 
 def _spelling(tokenizer: llguidance.LLTokenizer, text: str) -> list[int]:

@@ -126,3 +126,32 @@ def test_a_qwen3_output_thinks_only_when_it_opens_the_tag(model_dir):
     mask = allowed_tokens(compiler.bitmask(spent)[None], engine.vocab_size)[0]
     assert [engine.tokenizer.decode([t]) for t in mask.nonzero().flatten().tolist()] == ["<"]  # </think> begins
 
+
+
+def test_a_one_token_end_tag_alone_ends_a_budgeted_thinking():
+    """Where </think> is one special token (Qwen3's, DeepSeek-R1's) the grammar ends the thinking only
+    at that token: the same characters spelled by ordinary tokens are thinking text, the budget
+    counts on through them and then forces the token itself, after which the answer's grammar rules."""
+    from transformers import AutoTokenizer
+
+    from engine.execution.tiny_model import ensure_tiny_model
+    from sampling.grammar import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    tokenizer.add_special_tokens({"additional_special_tokens": [THINK_START, THINK_END]})
+    end = tokenizer.convert_tokens_to_ids(THINK_END)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    grammar = Grammar("json_object", field="response_format", thinking=THINKS_INSIDE, thinking_budget=12)
+    spelled = tokenizer.encode(THINK_END, add_special_tokens=False, split_special_tokens=True)
+    assert end not in spelled and len(spelled) > 1 and tokenizer.decode(spelled) == THINK_END
+
+    def allowed(ids: list[int]) -> set[int]:
+        mask = allowed_tokens(compiler.bitmask(compiler.matcher(grammar, ids))[None], len(tokenizer))[0]
+        return set(mask.nonzero().flatten().tolist())
+
+    still_thinking = allowed(spelled)  # within the budget, after the spelled tag: free text still
+    assert end in still_thinking and len(still_thinking) > 100
+    thought = (spelled * 3)[:12]  # the budget spent
+    assert allowed(thought) == {end}
+    answer = allowed(thought + [end])
+    assert answer and all(tokenizer.decode([t]).startswith("{") for t in answer)
