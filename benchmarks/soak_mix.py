@@ -185,6 +185,8 @@ def send(client: httpx.Client, url: str, work: Work, rng: random.Random | None =
             record.failure = f"no answer within {CLIENT_TIMEOUT_S} s ({type(error).__name__})"
     except (httpx.HTTPError, ValueError) as error:
         record.failure = type(error).__name__
+    except Exception as error:  # an answer of the wrong shape (a 200 without choices...): counted, not lost
+        record.failure = f"unreadable answer: {type(error).__name__}: {error}"
     record.ended_at = time.monotonic()
     return record
 

@@ -48,8 +48,8 @@ def serve_session(num_cpus: int | None = None, address: str | None = None):
             leaving = set(serve.status().applications) - before - _shared["kept"]
             for name in leaving:  # all at once: one at a time, each waits out its replicas' shutdown
                 serve.delete(name, _blocking=False)
-            assert wait_until(lambda: not leaving & set(serve.status().applications), 60, 0.5), \
-                f"not deleted after 60 s: {leaving & set(serve.status().applications)}"
+            assert wait_until(lambda: not leaving & set(serve.status().applications), 180, 0.5), \
+                f"not deleted after 180 s: {leaving & set(serve.status().applications)}"
         return
     stop_shared_session()
     try:

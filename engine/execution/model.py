@@ -90,8 +90,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """transformers' formula, operation for operation (torch's fused ``rms_norm`` sums in another
-        order: other bits in float32); the last product lands in the normalised tensor, a new one."""
+        """transformers' formula, operation for operation (tests/test_model_ops.py: the same bits);
+        the last product lands in the normalised tensor, a new one."""
         x32 = x.to(torch.float32)
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         if normed.dtype != self.weight.dtype:  # the product takes the wider dtype, as transformers' does
