@@ -201,6 +201,14 @@ def replicas(deployment: str, app: str) -> set[str]:
 REPLICA_CALL_TIMEOUT_S = 60
 
 
+def replica_process(name: str) -> psutil.Process:
+    """The process of the replica actor ``name`` (Ray's actor table has its pid)."""
+    import ray
+
+    actor = ray.get_actor(name, namespace="serve")
+    return psutil.Process(ray._private.state.actors(actor._actor_id.hex())["Pid"])
+
+
 def call_replica(name: str, method: str, *args):
     """Call ``method`` of the one replica actor ``name``, bypassing Serve's routing (a handle would
     send the call to any replica). Goes in by the entry point a handle's call takes

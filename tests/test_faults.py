@@ -25,8 +25,8 @@ from deployments.failures import client_error
 from dialects.errors import APIError
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import (RAY_INTERNALS, assert_nothing_held, deploy, migrations, processes, replicas,
-                           serve_session, sigkill, stopped)
+from tests.serving import (RAY_INTERNALS, assert_nothing_held, call_replica, deploy, migrations, processes,
+                           replica_process, replicas, serve_session, sigkill, stopped)
 
 LONG = 1500  # tokens a stream asks for: it is still running when the replica is killed
 DECODE_REPLICAS = 2
@@ -164,7 +164,10 @@ def test_decode_replica_stopped_mid_stream_its_streams_move_and_complete_while_i
     requests off the stopped one (else each would wait out a KV lease there and move again)."""
     before = migrations(base_url)
     with streams_running(base_url) as (texts, fault_done):
-        frozen = min(processes("DecodeServer"), key=lambda p: p.pid)  # the router spread the four over both
+        # A D with streams open (the router may have put all four on one replica).
+        holding = [name for name in sorted(decode_replicas()) if call_replica(name, "holdings")["streams"] > 0]
+        assert holding
+        frozen = replica_process(holding[0])
         with stopped("DecodeServer", only=frozen):
             fault_done.set()
             streamed = [t.result(timeout=300) for t in texts]  # every stream ended while D was stopped

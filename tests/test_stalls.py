@@ -15,16 +15,14 @@ import time
 import anthropic
 import httpx
 import openai
-import psutil
 import pytest
-import ray
 from ray import serve
 
 from deployments.app import pd_app
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from tests.serving import (RAY_INTERNALS, assert_nothing_held, call_replica, migrations, processes, replicas,
-                           serve_session, sigkill, stopped, wait_until)
+from tests.serving import (RAY_INTERNALS, assert_nothing_held, call_replica, migrations, processes, replica_process,
+                           replicas, serve_session, sigkill, stopped, wait_until)
 from tests.test_faults import LONG, reference_texts, streams_running
 
 APP = "stalls"
@@ -82,12 +80,6 @@ def test_the_fault_hook_is_refused_without_the_test_setting(monkeypatch):
         server.check_health()
     finally:
         server.engine.shutdown()
-
-
-def replica_process(name: str) -> psutil.Process:
-    """The process of the replica actor ``name`` (Ray's actor table has its pid)."""
-    actor = ray.get_actor(name, namespace="serve")
-    return psutil.Process(ray._private.state.actors(actor._actor_id.hex())["Pid"])
 
 
 def completion(url: str, i: int) -> str:
