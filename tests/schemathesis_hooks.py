@@ -44,15 +44,15 @@ def _through_chat_relation(param: str, message: str) -> bool:
     """Responses' and Anthropic's relations (dialects/responses.py, anthropic.py; Anthropic's
     errors name no ``param``): a tool output or result that answers no call, a system message
     after the input's first items, a block of the other role's, a tool_choice or tools' names; a
-    thinking budget not below max_tokens; thinking (asked for, or sent back) to a served model that
-    does not reason (tiny-llama)."""
+    thinking budget not below max_tokens, or given without type enabled; thinking (asked for, or
+    sent back) to a served model that does not reason (tiny-llama); a thinking block in a user turn."""
     return bool("answers no earlier" in message and (param == "input" or message.startswith("messages"))
-                or message.startswith("thinking.budget_tokens: must be below max_tokens")
-                or message.startswith("thinking: the served model does not reason")
-                or re.match(r"messages\.\d+\.content\.\d+: a thinking block, and the served model does not think",
-                            message)
+                or "budget_tokens: must be below max_tokens" in message
+                or "budget_tokens: required with type 'enabled', and only with it" in message
+                or "thinking: the served model does not reason" in message
+                or "a thinking block, and the served model does not think" in message
                 or param == "input" and "may only lead the input" in message
-                or re.match(r"messages\.\d+\.content\.\d+: tool_(use|result) blocks are the", message)
+                or re.match(r"messages\.\d+\.content\.\d+: (tool_use|tool_result|thinking) blocks are the", message)
                 or message.startswith("tool_choice.name: no tool is named")
                 or re.match(r"tools\.\d+\.function\.name: .* is defined twice", message))
 
