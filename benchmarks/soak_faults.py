@@ -14,7 +14,7 @@ import time
 
 import psutil
 
-from tests.serving import call_replica, replicas, sigkill, wait_until
+from tests.serving import call_replica, replica_process, replicas, sigkill, wait_until
 
 STOP_S = 8.0  # how long a SIGSTOPped replica stays stopped: past stall_timeout_s, under the kv lease's 3 moves
 HANG_S = 45.0  # a stuck step's bound: Serve replaces the replica long before (step_timeout_s + health checks)
@@ -33,14 +33,6 @@ def kinds(app_kind: str) -> list[str]:
     if app_kind == "pd":
         out += ["SIGKILL PrefillServer", "SIGSTOP PrefillServer"]
     return out
-
-
-def replica_process(name: str) -> psutil.Process:
-    """The process of the replica actor ``name`` (Ray's actor table has its pid)."""
-    import ray
-
-    actor = ray.get_actor(name, namespace="serve")
-    return psutil.Process(ray._private.state.actors(actor._actor_id.hex())["Pid"])
 
 
 class FaultInjector:

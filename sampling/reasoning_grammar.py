@@ -66,8 +66,7 @@ class BudgetMatcher:
         self._end_ids = end_spelling(tokenizer, self._end_token)
         self._head = b""  # the output's first bytes, up to <think>'s length: did it open the tag?
         self._tail = b""  # the output's last bytes, shorter than </think>: the tag may straddle tokens
-        self._outputs = 0  # output tokens so far
-        self._first_token: int | None = None
+        self._first_token: int | None = None  # the output's first token, once it has one
         self._thought = 0  # output tokens of the thinking (the opening tag's too), not forced
         self._forced = 0  # tokens of </think> written because the budget ran out
         self._done = False  # the thinking ended, or the output has none: the plain matcher decides
@@ -76,7 +75,7 @@ class BudgetMatcher:
         """Whether the output opened the thinking: None while its first bytes cannot tell yet."""
         opening = THINK_START.encode()
         if self._start_token is not None:
-            return None if not self._outputs else self._first_token == self._start_token
+            return None if self._first_token is None else self._first_token == self._start_token
         if self._head[:len(opening)] == opening:
             return True
         return None if opening.startswith(self._head) else False
@@ -93,9 +92,8 @@ class BudgetMatcher:
         for token in tokens:
             if self._done:
                 break
-            if not self._outputs:
+            if self._first_token is None:
                 self._first_token = token
-            self._outputs += 1
             if self._forcing():
                 self._forced += token == self._end_ids[self._forced]  # else: it ended a cut character
             else:
