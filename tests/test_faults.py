@@ -179,12 +179,13 @@ def test_decode_replica_stopped_mid_stream_its_streams_move_and_complete_while_i
     assert_nothing_held(["DecodeServer"], "pd", 120)
 
 
-def serving_resumes(url: str, killed: str) -> None:
-    """Serve replaces the killed replica (bounded wait) and a new request succeeds."""
+def serving_resumes(url: str, killed: str, role: str = "DecodeServer", count: int = DECODE_REPLICAS) -> None:
+    """Serve replaces the killed replica of ``role`` (bounded wait) and a new request through the
+    ingress succeeds: the next test starts with every replica the app had, none of them dead."""
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and (killed in decode_replicas() or len(decode_replicas()) < DECODE_REPLICAS):
+    while time.monotonic() < deadline and (killed in replicas(role, "pd") or len(replicas(role, "pd")) < count):
         time.sleep(0.5)
-    assert killed not in decode_replicas() and len(decode_replicas()) == DECODE_REPLICAS
+    assert killed not in replicas(role, "pd") and len(replicas(role, "pd")) == count
     eventually_ok(url)
 
 
@@ -235,8 +236,12 @@ def test_prefill_killed_after_its_reply_before_decode_fetched_the_kv(base_url):
         outputs = [o async for o in backend.stream(GenerationRequest("p-alive", prompt, params))]
         return [t for o in outputs for t in o.new_token_ids]
 
+    (killed,) = replicas("PrefillServer", "pd")
     tokens = asyncio.run(prefill_kill_decode())  # D read the KV of a dead P: no error, no prefill again
     assert len(tokens) == 64 and tokens == asyncio.run(fault_free())
+    # The ingress, too, has the new P before the next test: a request it routed to the dead P would
+    # spend one of its migrations there (the KV-lease test below counts them).
+    serving_resumes(base_url, killed, "PrefillServer", 1)
 
 
 @pytest.mark.slow
