@@ -15,6 +15,13 @@ os.environ.setdefault("PDSERVE_BATCH_INVARIANT", "1")
 from tests.models import ARCHITECTURES, make_random_model  # noqa: E402
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """Modules that start a Ray of their own (marked ``own_ray``) run after every other: each stops
+    the suite's shared Ray (tests/serving.py), and a module after it would start that Ray again and
+    deploy the kept applications again (~60 s each time on two cores). Otherwise the order stays."""
+    items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny random model directory per supported architecture."""

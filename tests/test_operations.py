@@ -17,6 +17,8 @@ from deployments.ingress import Ingress
 from deployments.servers import DecodeServer, PrefillServer
 from tests.serving import serve_session, wait_until
 
+pytestmark = pytest.mark.own_ray  # a 2-CPU Ray of its own: placement is what it tests
+
 PHASES = ["pdserve_time_to_first_token_seconds", "pdserve_request_prefill_time_seconds",
           "pdserve_request_decode_time_seconds", "pdserve_kv_transfer_seconds", "pdserve_kv_transfer_bytes",
           "pdserve_e2e_request_latency_seconds", 'pdserve_request_queue_time_seconds{stage="ingress"}',

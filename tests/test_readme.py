@@ -24,7 +24,7 @@ EXAMPLE_MODEL = "/models/Qwen3-0.6B"
 URL = "http://127.0.0.1:8000"
 START_LIMIT_S = 300  # the longest a start may take here before the test fails (2 cores, Ray's own start included)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_ray]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,7 +9,7 @@ from ray.cluster_utils import Cluster
 from deployments.app import colocated_app, pd_app
 from tests.serving import element_size, serve_session, sse_events
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_ray]
 
 
 @pytest.fixture(scope="module")
