@@ -51,9 +51,9 @@ class ColocatedBackend:
 class PDBackend:
     """The ingress orchestrates P and D for each request (docs/serving.md, "Prefix-aware PD"):
 
-    1. unless the prompt is short, a D replica (routed by prefix affinity and load,
-       deployments/routing.py) says how much of the prompt its prefix cache holds, and keeps it
-       for the request (``plan``);
+    1. unless the prompt is short, or no D replica was sent any of it (the router's index), a D
+       replica (routed by prefix affinity and load, deployments/routing.py) says how much of the
+       prompt its prefix cache holds, and keeps it for the request (``plan``);
     2. the policy (deployments/disaggregation.py) decides where the rest is computed;
     3. local: D runs the whole request (``generate``), pinned to the replica that answered;
     4. remote: P runs the prompt and returns each choice's first token at once, with the KV of
@@ -85,15 +85,16 @@ class PDBackend:
         not counted (the health canary, which checks both)."""
         num_tokens = request.num_context_tokens
         plan = None
-        decision = Decision(False, "remote") if disaggregate else self.policy.without_plan(num_tokens)
+        per_replica = self.prefill_tokens_in_flight / routing.replica_count("PrefillServer")
+        decision = Decision(False, "remote") if disaggregate else self.policy.without_plan(
+            num_tokens, per_replica, routing.sent_anywhere("DecodeServer", request))
         if decision is None:
             try:
                 plan = await asyncio.wait_for(self.decode.plan.remote(request), self.stall_timeout_s)
             except TimeoutError:  # a stalled D: the KV lease and migration deal with it, as without plans
                 decision = Decision(False, NO_PLAN)
         if plan is not None:
-            per_replica = self.prefill_tokens_in_flight / routing.replica_count("PrefillServer")
-            decision = self.policy.decide(num_tokens, plan.cached_tokens, plan.kv_usage, per_replica)
+            decision = self.policy.decide(num_tokens, plan.cached_tokens, plan.load, per_replica)
         cached = plan.cached_tokens if plan is not None else 0
         pinned = plan.replica if plan is not None else None
         if not disaggregate:

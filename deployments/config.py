@@ -69,6 +69,15 @@ class AppArgs(BaseModel):
         "D computes prompts itself while its KV usage is below 0.8")
     pd_decode_prefix_reuse: bool = Field(True, description="PD: ask D how much of a prompt its prefix cache holds "
                                          "and send only the KV of the rest")
+    slo_ttft_ms: float | None = Field(None, gt=0, description="the app's time-to-first-token target (ms): PD's "
+                                      "policy keeps a prompt off a P whose queue would make it miss it "
+                                      "(docs/serving.md, \"Prefix-aware PD\"); unset: no target")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="the app's time-per-output-token target (ms): PD's "
+                                      "policy computes on D only a rest that fits in D's slack under it, and "
+                                      "sends the rest of a busy D to P; unset: no target")
+    pd_prefill_ms_per_token: float = Field(
+        0.04, gt=0, description="PD with an SLO: what one prompt token costs to compute (ms), a profiled figure "
+        "(benchmarks/serving_compare.py --threshold-scan); 0.04 is tiny-llama on one core of this machine")
     max_beam_width: int = Field(8, ge=1, le=64, description="/infer_token: the widest beam search a request may "
                                 "ask for")
     max_logits_floats: int = Field(1 << 24, gt=0, description="/infer_token: the most floats return_context_logits "
@@ -132,7 +141,8 @@ class AppArgs(BaseModel):
     @property
     def disaggregation(self) -> DisaggregationPolicy:
         return DisaggregationPolicy(self.pd_local_prefill_tokens, self.pd_prefill_busy_tokens,
-                                    self.pd_decode_prefix_reuse)
+                                    self.pd_decode_prefix_reuse, self.slo_ttft_ms, self.slo_tpot_ms,
+                                    self.pd_prefill_ms_per_token)
 
     @property
     def heartbeat_s(self) -> float:

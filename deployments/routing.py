@@ -69,6 +69,10 @@ class PrefixIndex:
                 matched[replica] += AFFINITY_BLOCK
         return matched
 
+    def owners(self, key: bytes) -> set[str]:
+        """The replicas that were sent the block ``key``."""
+        return set(self._owners.get(key, ()))
+
     def insert(self, keys: list[bytes], replica: str) -> None:
         for key in keys:
             self._owners.setdefault(key, set()).add(replica)
@@ -95,6 +99,17 @@ def first_choice(request_id: str) -> str | None:
     """The P replica this process ranked first for ``request_id``'s call, forgotten once asked: the
     ingress marks it stalled when the call is not taken (deployments/liveness.py)."""
     return _first_choices.pop(request_id, None)
+
+
+def sent_anywhere(deployment: str, request: GenerationRequest) -> bool:
+    """Whether this process's index has a running replica of ``deployment`` sent the first block
+    of ``request``'s prompt: if not, none holds any of it, as far as this ingress knows (the PD
+    policy's ``no_prefix_anywhere``)."""
+    index, keys = _indexes.get(deployment), block_keys(request)
+    if index is None or not keys:
+        return False
+    owners, running = index.owners(keys[0]), routed_replicas(deployment)
+    return bool(owners if running is None else owners & running)
 
 
 def replica_count(deployment: str) -> int:

@@ -17,9 +17,11 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from deployments.disaggregation import DecodeLoad
 from deployments.kv_connector import ObjectStoreConnector, PrefillReply
 from deployments.failures import PrefixLost
 from deployments.liveness import Accepted, Heartbeat, heartbeats, replica_id
+from deployments.load_meter import LoadMeter
 from deployments.lora_store import LoraCache
 from deployments.routing import STATS_PERIOD_S, EngineRouter
 from deployments.tracing import KVTransfer
@@ -37,6 +39,7 @@ class _EngineServer:
         """``lora_store``: the app's LoraStore, where this replica fetches adapters it lacks."""
         self.engine = AsyncEngine(engine_config)
         self.loras = LoraCache(lora_store, max_loras)
+        self.meter = LoadMeter()  # tokens sent, prompts asked for, time per token (deployments/load_meter.py)
 
     def info(self) -> ModelInfo:
         inner = self.engine.engine
@@ -66,7 +69,9 @@ class _EngineServer:
         return self.load()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        return self.load()
+        """``load`` and the rates since the last call (LoadMeter.rates): the rate-matched
+        policies' inputs (deployments/autoscaling.py)."""
+        return {**self.load(), **self.meter.rates(self.engine.stats().prompt_tokens_computed)}
 
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose engine loop has died."""
@@ -122,8 +127,14 @@ class _StreamingServer(_EngineServer):
         every output made since the last item (AsyncEngine.generate_batches): one Ray Serve item
         per wake-up of this replica's loop, not one per token."""
         lora = await self.loras.adapter(request.lora)
-        async for item in self._streamed(self.engine.generate_batches(request, lora), pinned):
+        async for item in self._streamed(self._metered(self.engine.generate_batches(request, lora)), pinned):
             yield item
+
+    async def _metered(self, batches: AsyncIterator[list[RequestOutput]]) -> AsyncIterator[list[RequestOutput]]:
+        previous = None  # when the stream sent its last batch
+        async for batch in batches:
+            previous = self.meter.sent(batch, previous)
+            yield batch
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
@@ -147,6 +158,7 @@ class PrefillServer(_StreamingServer):
             yield item
 
     async def _prefilled(self, request: GenerationRequest, kv_export_start: int) -> AsyncIterator:
+        self.meter.prompts += 1
         lora = await self.loras.adapter(request.lora)  # under heartbeats: a slow adapter fetch is no stall
         for item in self.kv.send(await self.engine.prefill(request, kv_export_start, lora)):
             yield item
@@ -162,7 +174,7 @@ class DecodePlan:
 
     replica: str  # its Serve id: the request's decode or local prefill is pinned to it
     cached_tokens: int  # leading prompt tokens it holds, kept for the request: P's KV starts there
-    kv_usage: float  # the fraction of its KV blocks held
+    load: DecodeLoad  # its KV usage, queue, running sequences and time per token
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
@@ -180,7 +192,10 @@ class DecodeServer(_StreamingServer):
         the prompt is computed (deployments/disaggregation.py)."""
         lora = await self.loras.adapter(request.lora)
         cached = await self.engine.hold_prefix(request, lora, self.hold_s)
-        return DecodePlan(replica_id(), cached, self.engine.stats().kv_cache_usage)
+        stats = self.engine.stats()
+        load = DecodeLoad(stats.kv_cache_usage, sum(stats.waiting_by_priority.values()), stats.running,
+                          self.meter.token_ms())
+        return DecodePlan(replica_id(), cached, load)
 
     async def decode(self, request: GenerationRequest, reply: PrefillReply, pinned: str | None = None
                      ) -> AsyncIterator[Accepted | Heartbeat | KVTransfer | list[RequestOutput]]:
@@ -193,6 +208,7 @@ class DecodeServer(_StreamingServer):
 
     async def _decoded(self, request: GenerationRequest, reply: PrefillReply) -> AsyncIterator:
         lora = await self.loras.adapter(request.lora)
+        previous = None  # when the stream sent its last batch
         async for batch in self.engine.decode_batches(request, reply.handoff, lora):
             outputs = [item for item in batch if not isinstance(item, KVWanted)]
             if len(outputs) < len(batch):  # KVWanted: no token can precede it (they need the KV)
@@ -200,6 +216,7 @@ class DecodeServer(_StreamingServer):
                 self.engine.receive_kv(request.request_id, data)
                 yield transfer
             if outputs:
+                previous = self.meter.sent(outputs, previous)
                 yield outputs
 
     def kv_transfers(self) -> dict:

@@ -1,13 +1,13 @@
 """Prefix-aware PD in the engines: D says how much of a prompt it holds and keeps it, P sends only
 the rest, D stitches the two; over a multi-turn conversation the output is a cold engine's.
-The policy's choices; the router's prefix index. tests/test_serve_pd_prefix.py runs it under Ray Serve."""
+The router's prefix index (the policy's choices: tests/test_pd_policy.py). tests/test_serve_pd_prefix.py runs it
+under Ray Serve."""
 
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from deployments.disaggregation import DisaggregationPolicy
 from deployments.routing import AFFINITY_BLOCK, IMBALANCE_REQUESTS, PrefixIndex, block_keys, load, rank
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest, Mode
@@ -104,28 +104,6 @@ def test_decode_prefilling_locally_keeps_the_pd_token_cap():
     first = make_engine(max_iter_times=5).prefill([request])["cap"]
     remote_tokens = d.decode([(request, first.prefill)])["cap"].output_token_ids  # P's first token, then D's
     assert len(plain) == 5 and len(local) == 6 and local == remote_tokens
-
-
-@pytest.mark.parametrize("num_tokens, cached, kv_usage, p_load, want", [
-    (100, None, 0.0, 0, (True, "short_prompt")),
-    (128, None, 0.0, 0, (True, "short_prompt")),
-    (129, 0, 0.0, 0, (False, "remote")),
-    (1000, 880, 0.0, 0, (True, "cached_prefix")),
-    (1000, 864, 0.0, 0, (False, "remote")),
-    (1000, 0, 0.5, 20000, (True, "prefill_busy")),
-    (1000, 0, 0.9, 20000, (False, "remote")),
-])
-def test_the_policy_chooses_as_configured(num_tokens, cached, kv_usage, p_load, want):
-    policy = DisaggregationPolicy(local_prefill_tokens=128, prefill_busy_tokens=16384, decode_prefix_reuse=True)
-    decision = policy.without_plan(num_tokens)
-    if cached is None:
-        assert decision is not None and (decision.local, decision.reason) == want
-        return
-    assert decision is None  # D is asked first
-    decision = policy.decide(num_tokens, cached, kv_usage, p_load)
-    assert (decision.local, decision.reason) == want
-    off = DisaggregationPolicy(local_prefill_tokens=0, prefill_busy_tokens=16384, decode_prefix_reuse=False)
-    assert off.without_plan(num_tokens) == type(decision)(False, "remote")
 
 
 def test_the_router_index_matches_leading_blocks_per_replica():

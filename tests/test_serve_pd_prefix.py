@@ -96,7 +96,9 @@ def test_reuse_and_local_prefill_give_a_cold_engines_tokens_and_send_only_what_d
                                                                                      parameters):
     want, lengths = conversation(cold, parameters, salt)
     before = {app: kv_bytes(app) for app in APPS}
-    remote_before = metric(base_url, "pd", "pdserve_pd_prefill_decisions", 'reason="remote",where="prefill"')
+    on_p = 'where="prefill"'
+    remote_before = [metric(base_url, "pd", "pdserve_pd_prefill_decisions", f'reason="{reason}",{on_p}')
+                     for reason in ("no_prefix_anywhere", "remote")]
     for app in APPS:
         got, _ = conversation(lambda prompt, p: infer(base_url, app, prompt, **p), parameters, salt)
         assert got == want, app
@@ -109,8 +111,9 @@ def test_reuse_and_local_prefill_give_a_cold_engines_tokens_and_send_only_what_d
     assert sent["pd"] == per_token * sum(n - h for n, h in zip(lengths, held))
     assert sent["pd"] * 2 < sent["off"]
     assert sent["local"] == 0  # D computed every prompt: nothing crossed
-    assert metric(base_url, "pd", "pdserve_pd_prefill_decisions", 'reason="remote",where="prefill"') \
-        == remote_before + 4
+    # The first turn skips the plan (no D was sent any of it), each later one asks D and sends the rest.
+    assert [metric(base_url, "pd", "pdserve_pd_prefill_decisions", f'reason="{reason}",{on_p}')
+            for reason in ("no_prefix_anywhere", "remote")] == [remote_before[0] + 1, remote_before[1] + 3]
     assert metric(base_url, "pd", "pdserve_pd_prompt_tokens", 'source="decode_cache"') >= sum(held)
 
 
@@ -133,13 +136,15 @@ def test_the_policy_chooses_as_configured_and_says_so_in_metrics(base_url):
         return metric(base_url, "pd", "pdserve_pd_prefill_decisions", f'reason="{reason}",where="{where}"')
 
     transfers = serve.get_deployment_handle("DecodeServer", app_name="pd").kv_transfers
-    short, cached, remote = decisions("short_prompt"), decisions("cached_prefix"), decisions("remote", "prefill")
+    short, cached, remote = decisions("short_prompt"), decisions("cached_prefix"), decisions("no_prefix_anywhere",
+                                                                                             "prefill")
     count = transfers.remote().result()["count"]
     assert len(infer(base_url, "pd", list(range(3, 3 + THRESHOLD)), max_new_tokens=3)) == 3  # at the threshold
     assert (decisions("short_prompt"), transfers.remote().result()["count"]) == (short + 1, count)
-    long_prompt = [(7 * i) % 800 + 5 for i in range(70)]  # past it, and D holds none of it: P computes it
+    long_prompt = [(7 * i) % 800 + 5 for i in range(70)]  # past it, and no D was sent any: P, without a plan
     infer(base_url, "pd", long_prompt, max_new_tokens=3)
-    assert (decisions("remote", "prefill"), transfers.remote().result()["count"]) == (remote + 1, count + 1)
+    assert (decisions("no_prefix_anywhere", "prefill"), transfers.remote().result()["count"]) == (remote + 1,
+                                                                                                 count + 1)
     # D now holds the 64 tokens of its first 4 blocks: 10 more are within the threshold, D computes them.
     infer(base_url, "pd", long_prompt[:64] + [9] * 10, max_new_tokens=3)
     assert (decisions("cached_prefix"), transfers.remote().result()["count"]) == (cached + 1, count + 1)
