@@ -28,7 +28,7 @@ from sampling import SamplingParams
 from tests.serving import (RAY_INTERNALS, assert_nothing_held, call_replica, deploy, migrations, processes,
                            replica_process, replicas, serve_session, sigkill, stopped)
 
-LONG = 1500  # tokens a stream asks for: it is still running when the replica is killed
+LONG = 800  # tokens a stream asks for: it is still running when the replica is killed (~5 s of decoding here)
 DECODE_REPLICAS = 2
 KV_LEASE_S = 6
 STALL_TIMEOUT_S = 3

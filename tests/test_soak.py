@@ -93,12 +93,12 @@ def test_the_mix_covers_both_dialects_and_every_hostile_kind_is_marked():
     assert len({reference_key(w) for w in pool()}) == len(pool())  # each its own reference
 
 
-MINI_SOAK_S = 120
-FAULT_EVERY_S = 40
+MINI_SOAK_S = 60  # the ten-minute soak is benchmarks/soak.py's (RESULTS.md); here both faults and their recovery
+FAULT_EVERY_S = 20  # faults at 20 s and 40 s, before the schedule's last 10 s
 
 
 @pytest.mark.slow
-def test_a_two_minute_soak_with_faults_and_hostile_input_keeps_every_invariant():
+def test_a_one_minute_soak_with_faults_and_hostile_input_keeps_every_invariant():
     from benchmarks.soak import deploy, run_soak, table
     from tests.serving import serve_session
 
