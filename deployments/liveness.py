@@ -11,7 +11,9 @@ migrates (deployments/migration.py).
 The ingress also marks the replica, and the engine deployments' Serve request router
 (deployments/routing.py, which runs in the ingress's process) gives it no new request for ``AVOID_S``
 unless it is the only one left: without that, Serve's router, which sees only queue lengths, may send the
-migrated request straight back to the stopped replica.
+migrated request straight back to the stopped replica. A replica whose stream fails because it died
+or cannot be reached is marked the same way: Serve's router keeps it until its controller notices,
+and the prefix index ranks it first for the very prompt that moved.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import time
 from typing import AsyncIterator, Callable
 
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.request_router import RunningReplica
 
-from deployments.failures import ReplicaStalled
+from deployments.failures import ReplicaStalled, root_cause
 
 AVOID_S = 30.0  # how long the ingress sends no new request to a replica that stalled one of its streams
 _stalled_until: dict[str, float] = {}  # replica id -> time.monotonic() until which it is avoided (this process)
@@ -80,9 +83,13 @@ async def watched(items: AsyncIterator, stall_timeout_s: float, replica: str) ->
         except StopAsyncIteration:
             return
         except TimeoutError:
-            _stalled_until[replica] = time.monotonic() + AVOID_S
+            avoid(replica)
             raise ReplicaStalled(f"the replica serving this request gave no sign of life for "
                                  f"{stall_timeout_s:g} s") from None
+        except Exception as error:
+            if isinstance(root_cause(error), RayActorError):  # it died or cannot be reached
+                avoid(replica)
+            raise
         if not isinstance(item, Heartbeat):
             yield item
 
@@ -99,10 +106,15 @@ async def taken_then_watched(items: AsyncIterator, stall_timeout_s: float, route
             accepted = await anext(items)
     except TimeoutError:
         if (replica := routed_to()) is not None:
-            _stalled_until[replica] = time.monotonic() + AVOID_S
+            avoid(replica)
         raise ReplicaStalled(f"no replica took this request within {stall_timeout_s:g} s") from None
     async for item in watched(items, stall_timeout_s, accepted.replica):
         yield item
+
+
+def avoid(replica: str) -> None:
+    """No new request of this process goes to ``replica`` for ``AVOID_S`` (``preferred``)."""
+    _stalled_until[replica] = time.monotonic() + AVOID_S
 
 
 def preferred(replicas: list[RunningReplica]) -> list[RunningReplica]:

@@ -5,6 +5,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
 
 from deployments.failures import ReplicaStalled, replica_failed
 from deployments.liveness import Heartbeat, heartbeats, preferred, watched
@@ -83,3 +84,26 @@ def test_the_watch_drops_heartbeats_and_raises_a_replica_failure_on_silence():
             for name in (replica, "SERVE_REPLICA::test#DecodeServer#fine")]
     assert preferred(fake) == fake[1:]  # the stalled one gets no new request
     assert preferred(fake[:1]) == fake[:1]  # unless it is the only one
+
+
+def as_replicas(*names: str) -> list:
+    return [SimpleNamespace(replica_id=SimpleNamespace(to_full_id_str=lambda name=name: name)) for name in names]
+
+
+def test_a_replica_whose_stream_failed_because_it_died_gets_no_new_request_but_a_refusal_does_not_mark():
+    died, refused, other = (f"SERVE_REPLICA::test#DecodeServer#{n}" for n in ("died", "refused", "other"))
+
+    async def failing(error: Exception):
+        yield "token"
+        raise error
+
+    async def run(replica: str, error: Exception) -> None:
+        with pytest.raises(type(error)):
+            async for _ in watched(failing(error), 30.0, replica):
+                pass
+
+    asyncio.run(run(died, ActorDiedError()))
+    # A request error from a live replica (Serve wraps it in a RayTaskError) is not a failure of the replica.
+    asyncio.run(run(refused, RayTaskError("decode", "traceback", ValueError("top_k: must be < 1024"))))
+    replicas = as_replicas(died, refused, other)
+    assert preferred(replicas) == replicas[1:]  # the migrated request goes to a live replica
