@@ -10,6 +10,11 @@ status, all of it per priority too, with vLLM's JSON field names (`vllm bench se
 
 With --sample-replicas S it reads the server's /metrics every S seconds and reports the running
 replicas of each deployment over the run, and the P:D ratio (PD under autoscaling).
+
+With --sweep and --slo-grid it measures goodput as DistServe defines it: each rate's SLO attainment
+for every (TTFT, TPOT) pair of the grid, and per pair the highest rate at which >= 90% attain:
+
+    pdserve-loadtest --sweep 2,4,8,16 --slo-grid "ttft:1000,2000,4000 tpot:30,50,100" --json sweep.json
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.clients import ENDPOINTS, Result, send  # noqa: E402
+from benchmarks.goodput import attainment, goodput_by_slo, parse_slo_grid, print_goodput_table  # noqa: E402
 from benchmarks.loadgen import Work, arrival_gaps, workloads  # noqa: E402
 from benchmarks.stats import parse_goodput, per_priority, summarize  # noqa: E402
 
@@ -161,6 +167,8 @@ def build_result(args, results: list[Result], duration: float, rate: float, samp
               **summarize(results, duration, goodput), "per_priority": per_priority(results, duration, goodput)}
     if samples is not None:
         result["replicas"] = replica_report(samples)
+    if args.slo_grid:
+        result["slo_attainment"] = attainment(results, args.slo_grid)
     return result
 
 
@@ -218,6 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="requests sent first and left out of the results")
     p.add_argument("--goodput", nargs="*", help="SLOs: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--sweep", default=None, help="comma-separated request rates, run one after another")
+    p.add_argument("--slo-grid", default=None, metavar="'ttft:MS,... tpot:MS,...'",
+                   help="SLO attainment per (TTFT, TPOT) pair for each run; with --sweep, goodput per pair")
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="directory for PNG plots")
     p.add_argument("--sample-replicas", type=float, default=None, metavar="SECONDS",
@@ -232,6 +242,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--request-rate, --duration and --burstiness must be > 0")
     if args.sample_replicas is not None and args.sample_replicas <= 0:
         p.error("--sample-replicas: must be > 0")
+    if args.slo_grid is not None:
+        try:
+            args.slo_grid = parse_slo_grid(args.slo_grid)
+        except ValueError as error:
+            p.error(str(error))
     return args
 
 
@@ -258,6 +273,10 @@ def main(argv: list[str] | None = None) -> dict:
     for run in runs:
         run.pop("_results")
     output = runs[0] if len(runs) == 1 else {"sweep": runs}
+    if args.slo_grid and len(runs) > 1:
+        output["goodput_by_slo"] = goodput_by_slo(runs)
+        if not args.quiet:
+            print_goodput_table({"this app": output["goodput_by_slo"]}, "Goodput by SLO")
     if args.json:
         args.json.write_text(json.dumps(output, indent=2))
     return output

@@ -1,4 +1,4 @@
-"""PNG plots of load-test runs: latency CDFs, TTFT by priority, and rate sweeps."""
+"""PNG plots of load-test runs: latency CDFs, TTFT by priority, rate sweeps and SLO attainment."""
 
 from __future__ import annotations
 
@@ -16,7 +16,34 @@ def write_plots(directory: Path, runs: list[dict]) -> list[Path]:
     written = [_latency_cdfs(directory, runs[-1]), _ttft_by_priority(directory, runs[-1])]
     if len(runs) > 1:
         written.append(_sweep(directory, runs))
+    if len(runs) > 1 and "slo_attainment" in runs[0]:
+        written.append(slo_attainment_plot(directory / "slo_attainment.png", {"this app": runs}, "SLO attainment"))
     return written
+
+
+def slo_attainment_plot(path: Path, runs_by_app: dict[str, list[dict]], title: str) -> Path:
+    """One panel per (TTFT, TPOT) SLO pair (TTFT down the rows, TPOT across the columns): the share
+    of requests meeting both against the offered rate, one line per app, and the 90% line goodput
+    is read at. ``runs_by_app``: each app's sweep runs, each with request_rate and slo_attainment."""
+    pairs = [(a["ttft_ms"], a["tpot_ms"]) for a in next(iter(runs_by_app.values()))[0]["slo_attainment"]]
+    ttfts, tpots = sorted({t for t, _ in pairs}), sorted({t for _, t in pairs})
+    fig, axes = plt.subplots(len(ttfts), len(tpots), figsize=(4 * len(tpots), 3 * len(ttfts)), squeeze=False,
+                             sharex=True, sharey=True)
+    for i, (ttft, tpot) in enumerate(pairs):
+        ax = axes[ttfts.index(ttft)][tpots.index(tpot)]
+        for app, runs in runs_by_app.items():
+            ax.plot([r["request_rate"] for r in runs], [r["slo_attainment"][i]["attainment"] for r in runs], "o-",
+                    label=app, markersize=3)
+        ax.axhline(0.9, color="grey", linestyle="--", linewidth=0.8)
+        ax.set(title=f"TTFT {ttft / 1000:g} s, TPOT {tpot:g} ms", ylim=(-0.02, 1.02))
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("offered rate (req/s)")
+    for row in axes:
+        row[0].set_ylabel("SLO attainment")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title)
+    return _save(fig, path)
 
 
 def _latency_cdfs(directory: Path, run: dict) -> Path:

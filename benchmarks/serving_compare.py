@@ -9,12 +9,19 @@ against each (chat-like: 64-256 in / 32 out; prefill-heavy: 1024 / 16; multi-tur
 of 4 turns over a 1024-token system prompt, 64 new tokens and 32 out per turn), prints goodput,
 p99 TTFT and p99 TPOT side by side with ratios to colocated, and for the PD apps the KV bytes
 sent per request (per conversation on multi-turn), D's prefix-cache hit rate and the share of
-prompts D computed itself. Then the serving overhead: TTFT and time per token of single
+prompts D computed itself. With --slo-sweep, goodput as DistServe defines it instead
+(benchmarks/goodput.py): each workload, and a fourth of long prompts (2048-4000 in / 32 out), swept
+over rates of its own (SLO_RATES) up past saturation, the attainment of every SLO pair of the grid
+at each rate, the goodput per pair and app side by side, and an attainment plot per workload.
+There the apps are deployed together and take turns at each rate (one loaded at a time), so
+that what else runs on a shared machine weighs on each alike.
+Otherwise, after the sweeps, the serving overhead: TTFT and time per token of single
 sequential requests over HTTP + Ray Serve against the in-process engine on the same prompts.
 Beside it, the floor: the same ingress over an engine deployment that answers at once (no
 model), i.e. what the proxy, the ingress and the hops cost on this machine when nothing else runs.
 
     python benchmarks/serving_compare.py [--rates 2,4,8] [--num-requests 40] [--json PATH]
+    python benchmarks/serving_compare.py --slo-sweep [--plot DIR]  # goodput per SLO pair, four workloads
     python benchmarks/serving_compare.py --overhead-only     # the serving overhead alone
     python benchmarks/serving_compare.py --threshold-scan    # TTFT on P vs on D by prompt length
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 from pathlib import Path
 import re
 import statistics
@@ -37,6 +45,8 @@ from ray import serve  # noqa: E402
 
 from benchmarks.clients import send_each  # noqa: E402
 from benchmarks.conversations import run_conversations  # noqa: E402
+from benchmarks.goodput import DEFAULT_SLO_GRID, attainment, goodput_by_slo, parse_slo_grid  # noqa: E402
+from benchmarks.goodput import print_goodput_table  # noqa: E402
 from benchmarks.loadgen import workloads  # noqa: E402
 from benchmarks.loadtest import main as loadtest  # noqa: E402
 from benchmarks.stats import parse_goodput, summarize  # noqa: E402
@@ -50,9 +60,14 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.outputs import LENGTH, RequestOutput  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
-from tests.serving import serve_session  # noqa: E402
+from tests.serving import deploy, serve_session  # noqa: E402
 
 WORKLOADS = {"chat-like": ("64:256", "32"), "prefill-heavy": ("1024", "16"), "multi-turn": None}
+LONG_PROMPT = ("2048:4000", "32")  # tiny-llama's context is 4096 tokens
+SLO_RATES = {  # per workload, up past what an app on two cores sustains (req/s)
+    "chat-like": (4, 8, 16, 32, 48), "prefill-heavy": (2, 4, 8, 16, 24), "multi-turn": (2, 4, 8, 16, 24),
+    "long-prompt": (1, 2, 4, 6, 8)}
+LOAD_SECONDS = 4  # an SLO sweep's run sends at least this many seconds of arrivals at its rate
 MULTI_TURN = {"turns": 4, "system_len": 1024, "user_len": 64, "output_len": 32}
 GOODPUT = ["ttft:2000", "tpot:100"]
 PD_WHOLE = {"pd_decode_prefix_reuse": False, "pd_local_prefill_tokens": 0}
@@ -100,8 +115,10 @@ def counters(url: str) -> dict[str, float]:
     return {name: sum(float(v) for v in re.findall(pattern, text, re.MULTILINE)) for name, pattern in COUNTERS.items()}
 
 
-def one_run(url: str, workload: str, rate: float, num_requests: int, seed: int) -> dict:
-    """One workload at one offered rate: the load tester's summary, and the server's figures for it.
+def one_run(url: str, workload: str, rate: float, num_requests: int, seed: int, slo_grid: str | None = None
+            ) -> dict:
+    """One workload at one offered rate: the load tester's summary (with ``slo_grid``, the SLO attainment
+    of each pair too), and the server's figures for it.
     Each run has prompts of its own (``seed``): none finds an earlier run's in a prefix cache."""
     before = counters(url)
     if workload == "multi-turn":
@@ -109,11 +126,13 @@ def one_run(url: str, workload: str, rate: float, num_requests: int, seed: int) 
         results, duration = asyncio.run(run_conversations(url, conversations, rate=rate, seed=seed, **MULTI_TURN))
         run = {"request_rate": rate, "conversations": conversations,
                **summarize(results, duration, parse_goodput(GOODPUT))}
+        if slo_grid:
+            run["slo_attainment"] = attainment(results, parse_slo_grid(slo_grid))
     else:
-        input_len, output_len = WORKLOADS[workload]
+        input_len, output_len = LONG_PROMPT if workload == "long-prompt" else WORKLOADS[workload]
         run = loadtest(["--base-url", url, "--num-requests", str(num_requests), "--input-len", input_len,
                         "--output-len", output_len, "--request-rate", str(rate), "--goodput", *GOODPUT, "--quiet",
-                        "--warmup", "2", "--seed", str(seed)])
+                        "--warmup", "2", "--seed", str(seed), *(["--slo-grid", slo_grid] if slo_grid else [])])
     after = counters(url)
     run["server"] = {name: after[name] - before[name] for name in COUNTERS}
     return run
@@ -122,6 +141,44 @@ def one_run(url: str, workload: str, rate: float, num_requests: int, seed: int) 
 def sweep(url: str, rates: str, num_requests: int) -> dict:
     return {name: [one_run(url, name, float(rate), num_requests, seed=7 + 100 * i)
                    for i, rate in enumerate(rates.split(","))] for name in WORKLOADS}
+
+
+def slo_sweep(urls: dict[str, str], rates: str | None, min_requests: int, slo_grid: str, json_path: Path | None
+              ) -> dict:
+    """Every workload over its SLO_RATES (or ``rates`` for all), each run at least ``min_requests``
+    and LOAD_SECONDS of arrivals (a multiple of a conversation's turns on multi-turn), the machine's
+    load (os.getloadavg) beside each run. The apps (name -> base URL, all deployed) take turns at
+    each rate, with the same prompts: a change in what else runs on the machine falls on all of
+    them alike, not on whichever app came last."""
+    out: dict = {app: {"slo_sweep": {}} for app in urls}
+    for name, default_rates in SLO_RATES.items():
+        for i, rate in enumerate([float(r) for r in rates.split(",")] if rates else default_rates):
+            turns = MULTI_TURN["turns"]
+            n = -(-max(min_requests, int(LOAD_SECONDS * rate)) // turns) * turns
+            for app, url in urls.items():
+                run = one_run(url, name, float(rate), n, seed=7 + 100 * i, slo_grid=slo_grid)
+                run["loadavg"] = os.getloadavg()
+                out[app]["slo_sweep"].setdefault(name, []).append(run)
+                print(f"{name:<15}{rate:>6g} req/s {n:>4} requests {app:>10}  p99 TTFT {run['p99_ttft_ms']:8.1f} ms"
+                      f"  p99 TPOT {run['p99_tpot_ms']:6.1f} ms  load {run['loadavg'][0]:.2f}", flush=True)
+        if json_path:  # kept as each workload ends: a later failure does not lose the earlier ones
+            json_path.write_text(json.dumps({"results": out}, indent=2))
+    return out
+
+
+def report_goodput(results: dict, plot_dir: Path | None) -> dict:
+    """Goodput per SLO pair, per workload and app; the tables printed, an attainment PNG per workload."""
+    table = {}
+    for name in SLO_RATES:
+        by_app = {app: results[app]["slo_sweep"][name] for app in results}
+        table[name] = {app: goodput_by_slo(runs) for app, runs in by_app.items()}
+        print_goodput_table(table[name], name)
+        if plot_dir:
+            from benchmarks.plots import slo_attainment_plot
+
+            plot_dir.mkdir(parents=True, exist_ok=True)
+            slo_attainment_plot(plot_dir / f"slo_attainment_{name}.png", by_app, f"SLO attainment, {name}")
+    return table
 
 
 SCAN_LENGTHS = (32, 64, 128, 256, 512, 1024)
@@ -184,8 +241,12 @@ def engine_latency(prompts, threads: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="2,4,8", help="offered request rates (req/s), comma-separated")
-    parser.add_argument("--num-requests", type=int, default=40)
+    parser.add_argument("--rates", default=None, help="offered request rates (req/s), comma-separated; "
+                        "default 2,4,8 (with --slo-sweep: SLO_RATES, per workload)")
+    parser.add_argument("--num-requests", type=int, default=40, help="per run (with --slo-sweep: at least)")
+    parser.add_argument("--slo-sweep", action="store_true", help="goodput per SLO pair instead of the comparison")
+    parser.add_argument("--slo-grid", default=DEFAULT_SLO_GRID, help="with --slo-sweep: 'ttft:MS,... tpot:MS,...'")
+    parser.add_argument("--plot", type=Path, help="with --slo-sweep: a directory for the attainment PNGs")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--overhead-only", action="store_true", help="skip the sweeps")
     parser.add_argument("--threshold-scan", action="store_true", help="only TTFT on P vs on D by prompt length")
@@ -196,6 +257,18 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(scan, indent=2))
         return
+    if args.slo_sweep:
+        parse_slo_grid(args.slo_grid)  # refuse a bad grid before any app starts
+        apps = args.apps.split(",")
+        with serve_session() as url:
+            deploy({app: APPS[app]() for app in apps})  # side by side, at /<app>; idle while another is loaded
+            results = slo_sweep({app: f"{url}/{app}" for app in apps}, args.rates, args.num_requests,
+                                args.slo_grid, args.json)
+        table = report_goodput(results, args.plot)
+        if args.json:
+            args.json.write_text(json.dumps({"results": results, "goodput": table}, indent=2))
+        return
+    args.rates = args.rates or "2,4,8"
     prompts = workloads(OVERHEAD_PROMPTS, "128", "32", 11, None, (3, 800))
     results = {}
     for app in args.apps.split(","):
