@@ -14,6 +14,11 @@ held. The policies turn the deployment's totals into a replica count; Ray Serve 
 
 ``configs/pd-autoscale.yaml`` sets both; ``pdserve-loadtest --sample-replicas`` reports the P:D
 replica ratio over a run.
+
+``PrefillRateScaling`` and ``DecodeRateScaling`` size P and D from the rates the replicas measure
+(prompt tokens computed, prompts asked for, output tokens sent per second: LoadMeter, deployments/
+load_meter.py) against the app's TTFT and TPOT targets, as Dynamo's planner in SLA mode does: the
+math is deployments/pd_planner.py, these are its Serve wrappers.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from __future__ import annotations
 import math
 
 from ray.serve.config import AutoscalingContext
+
+from deployments import pd_planner
 
 
 def _total(ctx: AutoscalingContext, name: str) -> float | None:
@@ -59,3 +66,40 @@ class DecodeScaling:
         if requests is None or kv_usage is None:
             return ctx.target_num_replicas, {}
         return max(math.ceil(requests / self.target_requests), math.ceil(kv_usage / self.target_kv_usage)), {}
+
+
+class PrefillRateScaling:
+    """P replicas for the prompt tokens per second measured over the look-back window and the
+    prompt tokens queued, each replica at the utilisation that keeps the mean TTFT within
+    ``slo_ttft_ms`` (pd_planner.prefill_replicas)."""
+
+    def __init__(self, slo_ttft_ms: float, prefill_ms_per_token: float, interval_s: float = 10.0) -> None:
+        if slo_ttft_ms <= 0 or prefill_ms_per_token <= 0 or interval_s <= 0:
+            raise ValueError("slo_ttft_ms, prefill_ms_per_token, interval_s: must be > 0")
+        self.slo_ttft_ms, self.prefill_ms_per_token, self.interval_s = slo_ttft_ms, prefill_ms_per_token, interval_s
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict]:
+        tokens, prompts = _total(ctx, "prompt_tokens_per_s"), _total(ctx, "prompts_per_s")
+        queued = _total(ctx, "queued_prompt_tokens")
+        if tokens is None or prompts is None or queued is None:
+            return ctx.target_num_replicas, {}
+        return pd_planner.prefill_replicas(self.prefill_ms_per_token, self.slo_ttft_ms, tokens, prompts, queued,
+                                           self.interval_s), {}
+
+
+class DecodeRateScaling:
+    """D replicas for the output tokens per second measured over the look-back window, or for the
+    requests running and queued, at the largest batch whose step meets ``slo_tpot_ms``
+    (pd_planner.decode_replicas)."""
+
+    def __init__(self, slo_tpot_ms: float, decode_step_ms: float, decode_ms_per_sequence: float) -> None:
+        if slo_tpot_ms <= 0:
+            raise ValueError("slo_tpot_ms: must be > 0")
+        self.profile = pd_planner.DecodeProfile(decode_step_ms, decode_ms_per_sequence)
+        self.slo_tpot_ms = slo_tpot_ms
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict]:
+        tokens, requests = _total(ctx, "output_tokens_per_s"), _total(ctx, "requests")
+        if tokens is None or requests is None:
+            return ctx.target_num_replicas, {}
+        return pd_planner.decode_replicas(self.profile, self.slo_tpot_ms, tokens, requests), {}
