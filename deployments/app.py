@@ -14,6 +14,7 @@ from ray.serve import Application
 from deployments.config import AppArgs
 from deployments.ingress import Ingress
 from deployments.embeddings import EmbeddingServer
+from deployments.kv_connector import make_kv_connector
 from deployments.lora_store import LoraStore
 from deployments.servers import DecodeServer, LLMServer, PrefillServer
 from engine.execution.loader import model_fingerprint, resolve_model_dir
@@ -24,7 +25,7 @@ def _args(args: AppArgs | dict | None) -> AppArgs:
 
 
 def build_pd_app(args: AppArgs) -> Application:
-    """Ingress -> PrefillServer, then DecodeServer, with the KV passed through the object store."""
+    """Ingress -> PrefillServer, then DecodeServer, with the KV passed by the app's ``kv_transport``."""
     return pd_app(args)
 
 
@@ -47,11 +48,13 @@ def pd_app(args: AppArgs | dict | None = None, prefill_options: dict | None = No
     options = dict(max_ongoing_requests=args.max_ongoing_requests)
     store = _lora_store(args)
     prefill = PrefillServer.options(**{**options, **(prefill_options or {})})
+    kv = make_kv_connector(args.kv_transport, args.kv_lease_s)
     prefill = prefill.bind(args.engine_config(prefill_model), store, args.max_loras, args.heartbeat_s,
-                           args.step_timeout_s)
+                           args.step_timeout_s, kv)
     decode = DecodeServer.options(**{**options, **(decode_options or {})})
     decode_config = replace(args.engine_config(decode_model), first_token_from_prefill=True)
-    decode = decode.bind(decode_config, store, args.max_loras, args.heartbeat_s, args.step_timeout_s, args.kv_lease_s)
+    decode = decode.bind(decode_config, store, args.max_loras, args.heartbeat_s, args.step_timeout_s, args.kv_lease_s,
+                         kv)
     return Ingress.bind(args, lora_store=store, prefill=prefill, decode=decode, embedder=_embedder(args))
 
 

@@ -68,11 +68,12 @@ class PDBackend:
     the request fails it with ``ReplicaStalled`` after ``stall_timeout_s`` (liveness.py)."""
 
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, kv_lease_s: float,
-                 stall_timeout_s: float, policy: DisaggregationPolicy) -> None:
+                 stall_timeout_s: float, policy: DisaggregationPolicy, kv: KVConnector | None = None) -> None:
+        """``kv``: the app's KV connector (``kv_transport``), the one its P and D use."""
         self.prefill, self.decode = prefill, decode
         self.kv_lease_s, self.stall_timeout_s = kv_lease_s, stall_timeout_s
         self.policy = policy
-        self.kv: KVConnector = ObjectStoreConnector()
+        self.kv: KVConnector = kv or ObjectStoreConnector()
         self.handles = {"PrefillServer": prefill, "DecodeServer": decode}
         self.prefill_tokens_in_flight = 0  # prompt tokens this ingress has asked P to compute, not answered yet
         self.decisions: Counter[tuple[str, str]] = Counter()  # (where: decode/prefill, reason) -> requests

@@ -51,6 +51,10 @@ class AppArgs(BaseModel):
                                 "serving it fails (deployments/migration.py); 0: a failure ends it")
     kv_lease_s: float = Field(30.0, gt=0, description="PD: seconds a D replica has to take a request after P "
                               "answered; past them the request is prefilled again (deployments/backends.py)")
+    kv_transport: Literal["object_store", "shared_memory"] = Field(
+        "object_store", description="PD: how P's KV reaches D (deployments/kv_connector.py): Ray's object store "
+        "(any placement), or shared_memory (/dev/shm; P, D and the ingress on one host, any raylets of it: "
+        "deployments/kv_direct.py)")
     stall_timeout_s: float = Field(5.0, gt=0, description="seconds without a token or a heartbeat after which "
                                    "the ingress takes a streaming replica for stalled and moves its request "
                                    "(deployments/liveness.py); the replica says it is alive 4 times as often")

@@ -29,6 +29,7 @@ from deployments.backends import ColocatedBackend, PDBackend, merge
 from deployments.config import AppArgs
 from deployments.failures import client_error
 from deployments.health import Readiness, describe
+from deployments.kv_connector import make_kv_connector
 from deployments.http_app import ENGINE_WAIT_S, GENERATION, SSE, app
 from deployments.metrics import IngressMetrics
 from deployments.migration import migrating
@@ -99,7 +100,8 @@ class Ingress(OperationRoutes):
         self._lora_names: dict[str, LoraRef] | None = None
         self._lora_shape: ModelShape | None = None
         self.backend = (ColocatedBackend(llm, args.stall_timeout_s) if llm is not None
-                        else PDBackend(prefill, decode, args.kv_lease_s, args.stall_timeout_s, args.disaggregation))
+                        else PDBackend(prefill, decode, args.kv_lease_s, args.stall_timeout_s, args.disaggregation,
+                                       make_kv_connector(args.kv_transport, args.kv_lease_s)))
         self.embedder = embedder
         roles = list(self.backend.handles)  # P then D, or the colocated engine
         self.admission = Admission(roles[0] if len(roles) > 1 else None, roles[-1], args.admission_tokens_per_replica,

@@ -10,8 +10,9 @@ receiver split the job:
 
 The engine's side of the hand-off (D allocates blocks before the bytes move, the request waits in
 ``RECEIVING``, ``receive_kv``, aborts free the blocks) is in engine/ and knows no transport. The
-transport here is Ray's object store. Another transport implements ``KVConnector``'s four methods;
-the engine, the servers and the ingress stay as they are.
+transports: Ray's object store here (``ObjectStoreConnector``), POSIX shared memory in
+deployments/kv_direct.py; an app picks one with ``kv_transport`` (``make_kv_connector``). Another
+transport implements ``KVConnector``'s four methods; the engine, the servers and the ingress stay as they are.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from engine.outputs import PrefillResult, RequestOutput
 class PrefillReply:
     """P's answer: each choice's first-token output and, unless P finished every choice, the
     handoff for D: the prefill result without its KV bytes. ``kv`` holds the transport's handle to
-    those bytes (one for all choices), set by the ingress's ``claim``; in a list, so that Ray passes
-    an ObjectRef on to D instead of resolving it."""
+    those bytes (one for all choices), set by the ingress's ``claim`` (from P's item: an ObjectRef,
+    or a shared-memory segment's descriptor); in a list, so that Ray passes an ObjectRef on to D
+    instead of resolving it."""
 
     outputs: list[RequestOutput]
     handoff: PrefillResult | None = None  # its kv.data is None
@@ -44,6 +46,16 @@ class PrefillReply:
 
 class KVConnector(ABC):
     """A transport for P's KV. One instance per process; each side calls only its own methods."""
+
+    def __init__(self) -> None:
+        self.transfers = {"count": 0, "bytes": 0, "seconds": 0.0}  # D: fetches into this replica so far
+
+    def _counted(self, transfer: KVTransfer) -> KVTransfer:
+        """D: ``transfer`` added to ``transfers``."""
+        self.transfers["count"] += 1
+        self.transfers["bytes"] += transfer.nbytes
+        self.transfers["seconds"] += transfer.end - transfer.start
+        return transfer
 
     @abstractmethod
     def send(self, outputs: list[RequestOutput]) -> Iterator[Any]:
@@ -74,9 +86,6 @@ class ObjectStoreConnector(KVConnector):
     away with its last reference: the ingress's, dropped when D takes the request, and D's call's,
     when the request ends, however it ends."""
 
-    def __init__(self) -> None:
-        self.transfers = {"count": 0, "bytes": 0, "seconds": 0.0}  # D: fetches into this replica so far
-
     def send(self, outputs: list[RequestOutput]) -> Iterator[PrefillReply | np.ndarray]:
         result = next((o.prefill for o in outputs if o.prefill is not None), None)
         outputs = [replace(o, prefill=None) for o in outputs]  # the KV bytes travel apart, once
@@ -105,8 +114,18 @@ class ObjectStoreConnector(KVConnector):
     async def load(self, reply: PrefillReply) -> tuple[np.ndarray, KVTransfer]:
         start = time.time()
         data = await reply.kv[0]  # zero-copy for numpy when the object is on this node
-        transfer = KVTransfer(data.nbytes, start, time.time())
-        self.transfers["count"] += 1
-        self.transfers["bytes"] += transfer.nbytes
-        self.transfers["seconds"] += transfer.end - transfer.start
-        return data, transfer
+        return data, self._counted(KVTransfer(data.nbytes, start, time.time()))
+
+
+KV_TRANSPORTS = ("object_store", "shared_memory")
+
+
+def make_kv_connector(transport: str = "object_store", lease_s: float = 30.0) -> KVConnector:
+    """The app's ``kv_transport``'s connector; ``lease_s``: the app's ``kv_lease_s``."""
+    from deployments.kv_direct import SharedMemoryConnector  # it imports this module
+
+    if transport == "object_store":
+        return ObjectStoreConnector()
+    if transport == "shared_memory":
+        return SharedMemoryConnector(lease_s)
+    raise ValueError(f"kv_transport: must be one of {', '.join(KV_TRANSPORTS)}, got {transport!r}")

@@ -18,7 +18,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from deployments.disaggregation import DecodeLoad
-from deployments.kv_connector import ObjectStoreConnector, PrefillReply
+from deployments.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.failures import PrefixLost
 from deployments.liveness import Accepted, Heartbeat, heartbeats, replica_id
 from deployments.load_meter import LoadMeter
@@ -145,9 +145,10 @@ class LLMServer(_StreamingServer):
 @serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
 class PrefillServer(_StreamingServer):
     def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float,
-                 step_timeout_s: float) -> None:
+                 step_timeout_s: float, kv: KVConnector | None = None) -> None:
+        """``kv``: the app's KV connector (``kv_transport``), the object store's by default."""
         super().__init__(engine_config, lora_store, max_loras, heartbeat_s, step_timeout_s)
-        self.kv = ObjectStoreConnector()
+        self.kv = kv or ObjectStoreConnector()
 
     async def prefill(self, request: GenerationRequest, kv_export_start: int = 0
                       ) -> AsyncIterator[Accepted | Heartbeat | PrefillReply | Any]:
@@ -180,10 +181,11 @@ class DecodePlan:
 @serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
 class DecodeServer(_StreamingServer):
     def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float,
-                 step_timeout_s: float, hold_s: float) -> None:
-        """``hold_s``: how long a prefix told to the ingress is kept for a request that does not come."""
+                 step_timeout_s: float, hold_s: float, kv: KVConnector | None = None) -> None:
+        """``hold_s``: how long a prefix told to the ingress is kept for a request that does not come;
+        ``kv``: the app's KV connector, P's transport (the object store's by default)."""
         super().__init__(engine_config, lora_store, max_loras, heartbeat_s, step_timeout_s)
-        self.kv = ObjectStoreConnector()
+        self.kv = kv or ObjectStoreConnector()
         self.hold_s = hold_s
 
     async def plan(self, request: GenerationRequest) -> DecodePlan:
