@@ -1,4 +1,8 @@
-"""P and D on separate nodes of a real (single-machine) Ray cluster: the KV crosses object stores."""
+"""P and D on separate nodes of a real (single-machine) Ray cluster: the KV crosses raylets, through
+Ray's object store (app ``pd``) and through shared memory (app ``pd_shm``, deployments/kv_direct.py)."""
+
+import asyncio
+import gc
 
 import httpx
 import pytest
@@ -7,7 +11,13 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from deployments.app import colocated_app, pd_app
-from tests.serving import element_size, serve_session, sse_events
+from deployments.backends import PDBackend
+from deployments.config import AppArgs
+from deployments.kv_connector import make_kv_connector
+from deployments.kv_direct import segments
+from engine.request import GenerationRequest
+from sampling import SamplingParams
+from tests.serving import deploy, element_size, processes, serve_session, sigkill, sse_events, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.own_ray]
 
@@ -15,35 +25,74 @@ pytestmark = [pytest.mark.slow, pytest.mark.own_ray]
 @pytest.fixture(scope="module")
 def cluster():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    nodes = {"prefill": cluster.add_node(num_cpus=2, resources={"prefill": 1}),
-             "decode": cluster.add_node(num_cpus=2, resources={"decode": 1})}
+    nodes = {"prefill": cluster.add_node(num_cpus=2, resources={"prefill": 2}),  # one P and one D per PD app
+             "decode": cluster.add_node(num_cpus=2, resources={"decode": 2})}
     cluster.wait_for_nodes()
     yield cluster, {role: node.node_id for role, node in nodes.items()}
     cluster.shutdown()
 
 
-def test_p_and_d_on_their_nodes_and_output_matches_colocated(cluster):
-    cluster, node_ids = cluster
+@pytest.fixture(scope="module")
+def url(cluster):
+    cluster, _ = cluster
     with serve_session(address=cluster.address) as url:
-        args = {"torch_threads": 1, "pd_local_prefill_tokens": 0}
-        serve.run(pd_app(args, prefill_options={"ray_actor_options": {"num_cpus": 1, "resources": {"prefill": 1}}},
-                               decode_options={"ray_actor_options": {"num_cpus": 1, "resources": {"decode": 1}}}),
-                  name="pd", route_prefix="/pd")
-        serve.run(colocated_app(args), name="co", route_prefix="/co")
-        p_info = serve.get_deployment_handle("PrefillServer", app_name="pd").info.remote().result()
-        d_info = serve.get_deployment_handle("DecodeServer", app_name="pd").info.remote().result()
-        assert p_info.node_id == node_ids["prefill"]
-        assert d_info.node_id == node_ids["decode"]
-        assert p_info.node_id != d_info.node_id
+        # float32: the three apps' greedy tokens are compared exactly.
+        args = {"torch_threads": 1, "pd_local_prefill_tokens": 0, "dtype": "float32", "embeddings": False}
+        placed = {"prefill_options": {"ray_actor_options": {"num_cpus": 1, "resources": {"prefill": 1}}},
+                  "decode_options": {"ray_actor_options": {"num_cpus": 1, "resources": {"decode": 1}}}}
+        deploy({"pd": pd_app(args, **placed), "pd_shm": pd_app({**args, "kv_transport": "shared_memory"}, **placed),
+                "co": colocated_app(args)})
+        yield url
+    # Every hand-off of the module ended its segment: D unlinked it, or the ingress's lease did.
+    gc.collect()  # this process was the ingress of the fault test's requests
+    assert wait_until(lambda: not segments(), 30), segments()
 
-        body = {"input_id": list(range(20, 80)), "stream": True,
-                "parameters": {"max_new_tokens": 16, "do_sample": False, "ignore_eos": True}}
-        tokens = {}
-        for app in ("pd", "co"):
-            response = httpx.post(f"{url}/{app}/infer_token", json=body, timeout=120)
-            assert response.status_code == 200
-            tokens[app] = [e["token"]["id"] for e in sse_events(response)]
-        assert tokens["pd"] == tokens["co"] and len(tokens["pd"]) == 16
-        transfers = serve.get_deployment_handle("DecodeServer", app_name="pd").kv_transfers.remote().result()
-        assert transfers["count"] == 1 and transfers["bytes"] == 4 * 2 * 60 * 4 * 32 * element_size(d_info.dtype)
-        assert len(ray.nodes()) == 3
+
+@pytest.mark.parametrize("app", ["pd", "pd_shm"])
+def test_p_and_d_on_their_nodes_and_output_matches_colocated(cluster, url, app):
+    _, node_ids = cluster
+    p_info = serve.get_deployment_handle("PrefillServer", app_name=app).info.remote().result()
+    d_info = serve.get_deployment_handle("DecodeServer", app_name=app).info.remote().result()
+    assert p_info.node_id == node_ids["prefill"]
+    assert d_info.node_id == node_ids["decode"]
+    assert p_info.node_id != d_info.node_id
+
+    body = {"input_id": list(range(20, 80)), "stream": True,
+            "parameters": {"max_new_tokens": 16, "do_sample": False, "ignore_eos": True}}
+    tokens = {}
+    for name in (app, "co"):
+        response = httpx.post(f"{url}/{name}/infer_token", json=body, timeout=120)
+        assert response.status_code == 200
+        tokens[name] = [e["token"]["id"] for e in sse_events(response)]
+    assert tokens[app] == tokens["co"] and len(tokens[app]) == 16
+    transfers = serve.get_deployment_handle("DecodeServer", app_name=app).kv_transfers.remote().result()
+    assert transfers["count"] == 1 and transfers["bytes"] == 4 * 2 * 60 * 4 * 32 * element_size(d_info.dtype)
+    assert len(ray.nodes()) == 3
+
+
+def test_prefill_killed_after_its_reply_d_still_reads_the_shared_memory_kv(url):
+    """tests/test_faults.py's P-killed test on the shared-memory transport, across raylets: P
+    answers, its process is SIGKILLed and gone, then D on the other raylet maps P's segment."""
+    args = AppArgs(kv_transport="shared_memory")
+    backend = PDBackend(serve.get_deployment_handle("PrefillServer", "pd_shm"),
+                        serve.get_deployment_handle("DecodeServer", "pd_shm"), args.kv_lease_s,
+                        args.stall_timeout_s, args.disaggregation, make_kv_connector(args.kv_transport))
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    prompt = [1] + [(7 * i) % 800 + 3 for i in range(600)]
+
+    async def fault_free() -> list[int]:
+        outputs = [o async for o in backend.stream(GenerationRequest("p-alive", prompt, params))]
+        return [t for o in outputs for t in o.new_token_ids]
+
+    async def prefill_kill_decode() -> list[int]:
+        request = GenerationRequest("p-killed", prompt, params)
+        reply = await backend.prefill_step(request)
+        (prefill,) = processes("PrefillServer", "pd_shm")
+        sigkill(prefill)  # the fault happened: P is gone, its KV not read yet
+        assert len(segments()) == 1  # P's segment, claimed by this process (the ingress here)
+        outputs = [o async for o in backend.decode_step(request, reply)]
+        return reply.outputs[0].new_token_ids + [t for o in outputs for t in o.new_token_ids]
+
+    expected = asyncio.run(fault_free())
+    tokens = asyncio.run(prefill_kill_decode())  # D read the KV of a dead P: no error, no prefill again
+    assert len(tokens) == 32 and tokens == expected
