@@ -8,7 +8,7 @@ Conditional disaggregation, as llm-d and Dynamo decide it, made per request befo
 - ``remote``: D's prefix reuse is off: P computes every longer prompt;
 - ``no_prefix_anywhere``: the router's prefix index says no D replica was sent any of the prompt's
   blocks, and P is not busy: P computes it, without the round trip to D that could only say
-  "nothing held" (the index is a guess: D may have evicted, never gained, a prefix).
+  "nothing held" (the index is this ingress's guess: another ingress may have sent D the prefix).
 
 Otherwise D is asked first (``DecodeServer.plan``): how many of the prompt's leading tokens its
 prefix cache holds (kept for the request), and its load. With that, of what D lacks (the rest):
@@ -22,11 +22,11 @@ prefix cache holds (kept for the request), and its load. With that, of what D la
 
 P is busy when this ingress has more than ``prefill_busy_tokens`` prompt tokens in flight per P
 replica, or, with a TTFT target, when waiting behind them would push a rest that fits in the
-target past it (``prefill_ms_per_token`` each: P computes one prompt's tokens after another's). D is busy when it
-has requests waiting, or, with a TPOT target, when D is decoding and its recent time per token
-plus the rest's prefill would pass the target: a local prefill delays every decoding sequence's
-next token by its own time (DistServe's prefill-decode interference). D holding 80% of its KV or
-more also keeps the long rests of ``prefill_busy`` off it.
+target past it (``prefill_ms_per_token`` each: P computes one prompt's tokens after another's).
+D is busy when it has requests waiting, or, with a TPOT target, when it is decoding and its
+recent time per token plus the rest's prefill would pass the target: a local prefill delays every
+decoding sequence's next token by its own time (DistServe's prefill-decode interference). D
+holding 80% of its KV or more also keeps the long rests of ``prefill_busy`` off it.
 
 A failure never changes the decision: a request whose P or D fails migrates
 (deployments/migration.py) and is decided again there.
