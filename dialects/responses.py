@@ -8,44 +8,85 @@ decision.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
 import time
-import uuid
+
+from transformers import PreTrainedTokenizerBase
 
 from dialects import through_chat
 from dialects.errors import APIError
-from dialects.json_types import sse_event
 from dialects.openai_api import Choice, OpenAIFrontend
 from dialects.openai_schema import ChatCompletionRequest
-from dialects.responses_schema import FunctionCallItem, MessageItem, NamedFunction, ResponsesRequest
-from engine.outputs import LENGTH, TIMEOUT, RequestOutput
+from dialects.reasoning import THINK_END, THINK_START, template_mentions
+from dialects.responses_schema import (FunctionCallItem, InputItem, MessageItem, NamedFunction, ReasoningItem,
+                                       ResponsesRequest, input_item)
+from dialects.responses_stream import (ResponsesStreamWriter, function_call_item, message_item, new_id,
+                                       reasoning_item, status_of)
 
 
 # ---- into the chat request ----------------------------------------------------------------------
 
 
-def chat_messages(items: list) -> list[dict]:
+def chat_messages(items: list[InputItem], reasons: bool) -> list[dict]:
     """Input items as chat messages: function calls join the assistant turn before them (or make
-    one), their outputs become tool messages."""
+    one), their outputs become tool messages. A reasoning item opens an assistant turn whose
+    thinking it is (the assistant message and calls after it join that turn), given to the
+    template as ``<think>…</think>`` before the turn's text, as the model wrote it; the template
+    keeps or drops it (Qwen3's keeps the thinking after the last user message, as in a tool
+    loop). ``reasons``: the served model thinks (elsewhere a reasoning item is a 400)."""
     messages: list[dict] = []
-    for item in items:
-        if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text()})
+    for j, item in enumerate(items):
+        last = messages[-1] if messages else None
+        thought_only = last is not None and "thought" in last and not last["content"] and "tool_calls" not in last
+        if isinstance(item, ReasoningItem):
+            if not reasons:
+                raise APIError(400, f"input.{j}: a reasoning item, and the served model does not reason (its chat "
+                                    "template has no <think>)", f"input.{j}", "invalid_value")
+            if not thought_only:
+                last = {"role": "assistant", "content": None, "thought": ""}
+                messages.append(last)
+            last["thought"] += item.text()
+        elif isinstance(item, MessageItem):
+            if item.role == "assistant" and thought_only:
+                last["content"] = item.text()
+            else:
+                messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
-            last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": None}
                 messages.append(last)
             last.setdefault("tool_calls", []).append(call)
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
-    for message in messages:  # an assistant turn of calls only has no content (chat's rule)
+    for message in messages:
+        if "thought" in message:
+            message["content"] = THINK_START + message.pop("thought") + THINK_END + (message["content"] or "")
         if message["role"] == "assistant" and message.get("tool_calls") and not message["content"]:
-            message["content"] = None
+            message["content"] = None  # an assistant turn of calls only has no content (chat's rule)
     return messages
+
+
+def reasoning_fields(body: ResponsesRequest, front: OpenAIFrontend) -> dict:
+    """The chat fields of ``reasoning.effort``: the template's reasoning_effort where it reads one
+    (as chat's reasoning_effort); "none" switches off the thinking of a template that reads
+    enable_thinking (Qwen3's), as chat_template_kwargs would; a 400 naming it otherwise."""
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    template = front.tokenizer.chat_template
+    if effort is None:
+        return {}
+    if template_mentions(template, "reasoning_effort"):
+        return {"reasoning_effort": effort}
+    switch = front.reasoning is not None and template_mentions(template, "enable_thinking")
+    if effort == "none" and switch:
+        return {"chat_template_kwargs": {"enable_thinking": False}}
+    why = ("the served model does not reason (its chat template has no <think>)" if front.reasoning is None else
+           "the served model's chat template has no reasoning effort control" +
+           ("; it switches the thinking on or off: send 'none' to switch it off" if switch else ""))
+    raise APIError(400, f"reasoning.effort: {why}", "reasoning.effort", "unsupported")
 
 
 def chat_request(body: ResponsesRequest, history: list[dict], front: OpenAIFrontend) -> ChatCompletionRequest:
@@ -55,7 +96,7 @@ def chat_request(body: ResponsesRequest, history: list[dict], front: OpenAIFront
     if body.max_output_tokens is not None and body.max_output_tokens > front.max_iter_times:
         raise APIError(400, f"max_output_tokens: must be in (0, {front.max_iter_times}] (max_iter_times)",
                        "max_output_tokens", "invalid_value")
-    messages = history + chat_messages(body.items())
+    messages = history + chat_messages(body.items(), front.reasoning is not None)
     system = [body.instructions] if body.instructions else []
     while messages and messages[0]["role"] in ("system", "developer"):
         system.append(messages.pop(0)["content"])
@@ -73,7 +114,8 @@ def chat_request(body: ResponsesRequest, history: list[dict], front: OpenAIFront
               "tool_choice": {"type": "function", "function": {"name": body.tool_choice.name}}
               if isinstance(body.tool_choice, NamedFunction) else body.tool_choice,
               "response_format": body.text.format.as_response_format()
-              if body.text is not None and body.text.format is not None else None}
+              if body.text is not None and body.text.format is not None else None,
+              **reasoning_fields(body, front)}
     return through_chat.chat_request(fields, {"messages": "input", "response_format": "text.format",
                                               "max_completion_tokens": "max_output_tokens"})
 
@@ -81,38 +123,42 @@ def chat_request(body: ResponsesRequest, history: list[dict], front: OpenAIFront
 # ---- the answer as output items ---------------------------------------------------------------------
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def message_item(item_id: str, text: str, status: str) -> dict:
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [output_text(text)]}
-
-
-def output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
-    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": name,
-            "arguments": arguments}
-
-
 def output_items(choice: Choice) -> list[dict]:
-    """The whole answer: its text as a message (when there is any), then one item per call."""
+    """The whole answer: its thinking as a reasoning item (when the model thought), its text as a
+    message (when there is any), then one item per call. Each is completed but the last, which
+    has the answer's status (the stream closes each item as the next opens)."""
     message, _ = OpenAIFrontend.chat_message(choice)
-    status = status_of(choice)
-    items = [message_item(new_id("msg"), message["content"], status)] if message["content"] else []
-    items += [function_call_item(new_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], status)
-              for c in message.get("tool_calls", [])]
+    items = [reasoning_item(new_id("rs"), message["reasoning_content"], "completed")] \
+        if message.get("reasoning_content") else []
+    items += [message_item(new_id("msg"), message["content"], "completed")] if message["content"] else []
+    items += [function_call_item(new_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"],
+                                 "completed") for c in message.get("tool_calls", [])]
+    if items:
+        items[-1]["status"] = status_of(choice)
     return items
 
 
-def usage(choices: list[Choice]) -> dict:
+def reasoning_tokens(choice: Choice, tokenizer: PreTrainedTokenizerBase) -> int:
+    """The generated tokens that belong to the thinking: every one up to and including the token
+    that completes ``</think>`` (the tag is the thinking's end; the answer starts after it); all of
+    them while the thinking is unclosed (cut by max_output_tokens); 0 for an output that does
+    not think."""
+    reasoning = choice.reasoning.split(choice.text)[0] if choice.reasoning is not None else None
+    if reasoning is None:
+        return 0
+    ids = choice.final.output_token_ids or []
+    if THINK_END not in choice.text or not ids:
+        return choice.completion_tokens
+    # The shortest prefix whose text holds the tag (a prefix's text only grows: bisection).
+    return 1 + bisect_left(range(1, len(ids) + 1), True,
+                           key=lambda k: THINK_END in tokenizer.decode(ids[:k], skip_special_tokens=False))
+
+
+def usage(choices: list[Choice], tokenizer: PreTrainedTokenizerBase) -> dict:
     counts = OpenAIFrontend.usage(choices)
     return {"input_tokens": counts["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": counts["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens(choices[0], tokenizer)},
             "total_tokens": counts["total_tokens"]}
 
 
@@ -134,12 +180,8 @@ def response_object(body: ResponsesRequest, response_id: str, created: float, mo
         "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                  if body.text is not None and body.text.format is not None else {"type": "text"}},
         "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user, "usage": usage_,
+        "reasoning": {"effort": body.reasoning.effort if body.reasoning is not None else None, "summary": None},
     }
-
-
-def status_of(choice: Choice) -> str:
-    """"incomplete" when the answer ended at max_output_tokens (or the model's length), not by itself."""
-    return "incomplete" if choice.final.finish_reason in (LENGTH, TIMEOUT) else "completed"
 
 
 # ---- what the ingress keeps ------------------------------------------------------------------------
@@ -147,16 +189,10 @@ def status_of(choice: Choice) -> str:
 
 def conversation_after(messages: list[dict], output: list[dict]) -> list[dict]:
     """The chat messages a later previous_response_id continues from: this request's, without its
-    system message (instructions are not carried over), then the answer's."""
+    system message (instructions are not carried over), then the answer's, read as the same
+    items sent back as input would be (so continuing and resending give the same prompt)."""
     kept = [m for m in messages if m["role"] != "system"]
-    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
-    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-             for i in output if i["type"] == "function_call"]
-    if calls:
-        kept.append({"role": "assistant", "content": text or None, "tool_calls": calls})
-    elif text:  # an empty answer leaves no turn (chat takes no empty message)
-        kept.append({"role": "assistant", "content": text})
-    return kept
+    return kept + chat_messages([input_item(j, item) for j, item in enumerate(output)], reasons=True)
 
 
 @dataclass
@@ -217,95 +253,16 @@ class ResponsesExchange:
     def finish(self, choices: list[Choice], output: list[dict], status: str) -> dict:
         """The finished Response (stored when asked)."""
         response = response_object(self.body, self.id, self.created, self.front.model_name(choices), output, status,
-                                   usage(choices))
+                                   usage(choices, self.front.tokenizer))
         if self.body.store:
             messages = [m.for_template() for m in self.chat.messages]
             self.store.put(response, conversation_after(messages, output))
         return response
 
+    def snapshot(self, choices: list[Choice], output: list[dict], status: str) -> dict:
+        """The Response while it is made (a stream's first and failed events): no usage yet."""
+        return response_object(self.body, self.id, self.created, self.front.model_name(choices), list(output),
+                               status, None)
+
     def writer(self, choices: list[Choice]) -> ResponsesStreamWriter:
         return ResponsesStreamWriter(self, choices)
-
-
-class ResponsesStreamWriter(through_chat.DeltaWriter):
-    """OpenAI's event sequence: response.created, response.in_progress; per output item
-    output_item.added, then for a message content_part.added, output_text.delta..., output_text.done,
-    content_part.done, and for a call function_call_arguments.delta..., .done; output_item.done;
-    last response.completed (or response.incomplete; response.failed on an error after the start).
-    Every event carries its ``sequence_number`` and its SSE ``event:`` name."""
-
-    def __init__(self, exchange: ResponsesExchange, choices: list[Choice]) -> None:
-        super().__init__(choices)
-        self.exchange = exchange
-        self._sequence = 0
-        self._output: list[dict] = []  # items so far; the last may be open
-        self._open = False
-
-    def _start_events(self) -> str:
-        response = self._response([], "in_progress")
-        return self._event("response.created", response=response) + self._event("response.in_progress",
-                                                                                   response=response)
-
-    def _finish(self, output: RequestOutput) -> str:
-        status = status_of(self.choices[0])
-        events = self._close_item(status)
-        return events + self._event(f"response.{status}", response=self.exchange.finish(self.choices, self._output,
-                                                                                          status))
-
-    def fail(self, error: APIError) -> str:
-        """An error after the stream began: the response failed, with the error's code and message."""
-        response = self._response(self._output, "failed")
-        response["error"] = {"code": error.code or "server_error", "message": error.message}
-        return self._event("response.failed", response=response)
-
-    def _delta(self, delta: dict) -> str:
-        if "content" in delta:
-            events = ""
-            if not self._open or self._output[-1]["type"] != "message":
-                events += self._close_item("completed")
-                events += self._add_item(message_item(new_id("msg"), "", "in_progress"))
-                events += self._event("response.content_part.added", **self._where(), content_index=0,
-                                      part=output_text(""))
-            self._output[-1]["content"][0]["text"] += delta["content"]
-            return events + self._event("response.output_text.delta", **self._where(), content_index=0,
-                                        delta=delta["content"], logprobs=[])
-        (call,) = delta["tool_calls"]
-        if "id" in call:  # a new call: its first delta names it
-            return self._close_item("completed") + self._add_item(
-                function_call_item(new_id("fc"), call["id"], call["function"]["name"], "", "in_progress"))
-        self._output[-1]["arguments"] += call["function"]["arguments"]
-        return self._event("response.function_call_arguments.delta", **self._where(),
-                           delta=call["function"]["arguments"])
-
-    def _add_item(self, item: dict) -> str:
-        self._output.append(item)
-        self._open = True
-        return self._event("response.output_item.added", output_index=len(self._output) - 1, item=dict(item))
-
-    def _close_item(self, status: str) -> str:
-        if not self._open:
-            return ""
-        self._open = False
-        item = self._output[-1]
-        item["status"] = status
-        if item["type"] == "message":
-            part = item["content"][0]
-            events = self._event("response.output_text.done", **self._where(), content_index=0, text=part["text"],
-                                 logprobs=[])
-            events += self._event("response.content_part.done", **self._where(), content_index=0, part=part)
-        else:
-            events = self._event("response.function_call_arguments.done", **self._where(), name=item["name"],
-                                 arguments=item["arguments"])
-        return events + self._event("response.output_item.done", output_index=len(self._output) - 1, item=item)
-
-    def _where(self) -> dict:
-        return {"item_id": self._output[-1]["id"], "output_index": len(self._output) - 1}
-
-    def _response(self, output: list[dict], status: str) -> dict:
-        return response_object(self.exchange.body, self.exchange.id, self.exchange.created,
-                               self.exchange.front.model_name(self.choices), list(output), status, None)
-
-    def _event(self, kind: str, **fields) -> str:
-        body = {"type": kind, "sequence_number": self._sequence, **fields}
-        self._sequence += 1
-        return f"event: {kind}\n{sse_event(body)}"

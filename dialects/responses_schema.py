@@ -23,7 +23,6 @@ UNSUPPORTED = {
     "background": "background mode is not offered: send the request and wait for it, or stream it",
     "conversation": "conversations are not stored here; chain responses with previous_response_id",
     "prompt": "stored prompt templates are not offered",
-    "reasoning": "the served model has no reasoning controls",
     "max_tool_calls": "not offered: the answer's calls are returned to you, none is run here",
     "context_management": "context management is not offered",
     "prompt_cache_retention": "prefix caching is by content and keeps no per-request retention",
@@ -35,9 +34,8 @@ UNSUPPORTED = {
 }
 # Tool types OpenAI runs itself; this server runs none of them.
 BUILT_IN_TOOLS = "web_search, file_search, computer_use, code_interpreter, image_generation, mcp, shell, ..."
-
-
-
+NO_SUMMARY = ("a reasoning summary needs another model to write it, and none is served here; the reasoning itself "
+              "comes back as the reasoning item's reasoning_text")
 
 
 class TextPart(StrictModel):
@@ -83,18 +81,55 @@ class FunctionCallOutputItem(StrictModel):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+class ReasoningText(StrictModel):
+    type: Literal["reasoning_text"]
+    text: StrictStr
+
+
+class ReasoningItem(StrictModel):
+    """An earlier answer's reasoning, sent back as this server returned it (clients resend the
+    output whole, e.g. with store false): it is the thinking of the assistant turn that follows."""
+
+    type: Literal["reasoning"]
+    summary: Annotated[list[Any], Field(max_length=0, description="always empty: no summaries are written here")]
+    content: list[ReasoningText] | None = None
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+    encrypted_content: Annotated[Any, only(None, description="no reasoning is encrypted here")] = None
+
+    @field_validator("summary", mode="before")
+    @classmethod
+    def _no_summary(cls, summary):
+        if isinstance(summary, list) and summary:
+            raise ValueError("a reasoning summary is never written here; send the item as it was returned "
+                             "(summary [])")
+        return summary
+
+    @model_validator(mode="after")
+    def _not_encrypted(self):
+        if self.encrypted_content is not None:
+            raise ValueError("encrypted_content: no reasoning is encrypted here; send the item as it was returned")
+        return self
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or [])
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+         "reasoning": ReasoningItem}
 PART_TYPES = {"input_text", "output_text"}
 
 
-def _item(j: int, raw: Any) -> MessageItem | FunctionCallItem | FunctionCallOutputItem:
-    """One input item, or a ValueError naming where it is wrong ("<j>.<field>: <rule>")."""
+def input_item(j: int, raw: Any) -> InputItem:
+    """One input item (or an output item sent back), or a ValueError naming where it is wrong
+    ("<j>.<field>: <rule>")."""
     if not isinstance(raw, dict):
         raise ValueError(f"{j}: an item is an object")
     kind = raw.get("type", "message")
     if not isinstance(kind, str) or kind not in ITEMS:
-        raise ValueError(f"{j}.type: {kind!r} items are not supported here; send messages, function_call and "
-                         "function_call_output items")
+        raise ValueError(f"{j}.type: {kind!r} items are not supported here; send messages, function_call, "
+                         "function_call_output and reasoning items")
     parts = raw.get("content") if kind == "message" else raw.get("output")
     for k, part in enumerate(parts if isinstance(parts, list) else []):
         if isinstance(part, dict) and not (isinstance(part.get("type"), str) and part["type"] in PART_TYPES):
@@ -158,14 +193,34 @@ class TextConfig(StrictModel):
         return self
 
 
+class ReasoningConfig(StrictModel):
+    """``reasoning``: ``effort`` reaches the chat template (dialects/responses.py says how, or
+    refuses it naming reasoning.effort); a summary is refused: it needs another model to write it."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="the template's reasoning_effort where it reads one; 'none' switches off a template's "
+                          "enable_thinking; a 400 otherwise")
+    summary: Annotated[Any, only(None, description=NO_SUMMARY)] = None
+    generate_summary: Annotated[Any, only(None, description=NO_SUMMARY)] = None
+    context: Literal["auto"] | None = Field(None, description="the chat template decides which turns' reasoning "
+                                                              "the model sees")
+    mode: Literal["standard"] | None = Field(None, description="one execution mode here")
+
+    @model_validator(mode="after")
+    def _no_summary(self):
+        for name in ("summary", "generate_summary"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: {NO_SUMMARY}")
+        return self
+
+
 class StreamOptions(StrictModel):
     include_obfuscation: Annotated[StrictBool, only(False, description="no obfuscation padding is added")] = False
 
 
 class ResponsesRequest(StrictModel):
     model: StrictStr | None = Field(None, pattern=MODEL_NAME_PATTERN, description="absent: the served model")
-    input: NonEmptyStr | Annotated[list[MessageItem | FunctionCallItem | FunctionCallOutputItem],
-                                   Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
+    input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
     instructions: StrictStr | None = Field(None, description="the system message; not carried over by "
                                                              "previous_response_id")
     max_output_tokens: StrictInt | None = Field(None, gt=0, description="(0, max_iter_times]; absent: max_iter_times")
@@ -189,6 +244,7 @@ class ResponsesRequest(StrictModel):
     safety_identifier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = Field(None, description="accepted; prefix caching is by content")
     service_tier: ServiceTier | None = Field(None, description="accepted; one tier here")
+    reasoning: ReasoningConfig | None = None
     # Extensions, as on chat.
     seed: Seed | None = None
     top_k: StrictInt | None = Field(None, gt=0)
@@ -198,7 +254,6 @@ class ResponsesRequest(StrictModel):
     background: Annotated[StrictBool | None, only(False, None, description=UNSUPPORTED["background"])] = None
     conversation: Annotated[Any, only(None, description=UNSUPPORTED["conversation"])] = None
     prompt: Annotated[Any, only(None, description=UNSUPPORTED["prompt"])] = None
-    reasoning: Annotated[Any, only(None, description=UNSUPPORTED["reasoning"])] = None
     max_tool_calls: Annotated[Any, only(None, description=UNSUPPORTED["max_tool_calls"])] = None
     context_management: Annotated[Any, only(None, description=UNSUPPORTED["context_management"])] = None
     prompt_cache_retention: Annotated[Any, only(None, description=UNSUPPORTED["prompt_cache_retention"])] = None
@@ -213,7 +268,7 @@ class ResponsesRequest(StrictModel):
     @field_validator("input", mode="before")
     @classmethod
     def _items(cls, value):
-        return [_item(j, raw) for j, raw in enumerate(value)] if isinstance(value, list) else value
+        return [input_item(j, raw) for j, raw in enumerate(value)] if isinstance(value, list) else value
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -256,5 +311,5 @@ class ResponsesRequest(StrictModel):
             raise ValueError("stream_options.include_obfuscation: this server adds no obfuscation; send false")
         return self
 
-    def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+    def items(self) -> list[InputItem]:
         return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input

@@ -35,7 +35,7 @@ def filter_failure(context, failure, case, response) -> bool:
                 or param == "min_tokens" and "must be <= the output limit" in message
                 or param == "min_tokens" and "cannot be combined with" in message
                 or param == "continue_final_message" and "the last message must be" in message
-                or (param == "reasoning_effort" or param.startswith("chat_template_kwargs."))
+                or (param in ("reasoning_effort", "reasoning.effort") or param.startswith("chat_template_kwargs."))
                 and "chat template" in message  # what the served model's template reads
                 or _infer_token_relation(param, message) or _through_chat_relation(param, message))
 
@@ -45,12 +45,14 @@ def _through_chat_relation(param: str, message: str) -> bool:
     errors name no ``param``): a tool output or result that answers no call, a system message
     after the input's first items, a block of the other role's, a tool_choice or tools' names; a
     thinking budget not below max_tokens, or given without type enabled; thinking (asked for, or
-    sent back) to a served model that does not reason (tiny-llama); a thinking block in a user turn."""
+    sent back) to a served model that does not reason (tiny-llama), and Responses' reasoning items sent
+    back to it; a thinking block in a user turn."""
     return bool("answers no earlier" in message and (param == "input" or message.startswith("messages"))
                 or "budget_tokens: must be below max_tokens" in message
                 or "budget_tokens: required with type 'enabled', and only with it" in message
                 or "thinking: the served model does not reason" in message
                 or "a thinking block, and the served model does not think" in message
+                or re.fullmatch(r"input\.\d+", param) and "a reasoning item, and the served model does not" in message
                 or param == "input" and "may only lead the input" in message
                 or re.match(r"messages\.\d+\.content\.\d+: (tool_use|tool_result|thinking) blocks are the", message)
                 or message.startswith("tool_choice.name: no tool is named")
