@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import pd_planner as replay
-from deployments import pd_planner
-from deployments.autoscaling import DecodeRateScaling, PrefillRateScaling
+from deployments import pd_planner, servers
+from deployments.autoscaling import DecodeRateScaling, DecodeScaling, PrefillRateScaling, PrefillScaling
 from deployments.load_meter import LoadMeter
 
 # P: 0.1 ms a prompt token, TTFT 500 ms. D: a step is 10 ms + 0.5 ms a sequence, TPOT 50 ms:
@@ -66,6 +66,25 @@ def test_the_policies_read_what_the_replicas_report():
     reported = {**meter.rates(10000), "queued_prompt_tokens": 0, "requests": 40}  # and servers.load's
     metrics = {name: {"a": value} for name, value in reported.items()}
     assert (PREFILL(ctx(metrics))[0], DECODE(ctx(metrics))[0]) == (1, 1)  # not "no report yet" (2, 2)
+
+
+def test_a_replicas_report_feeds_the_threshold_and_the_rate_policies():
+    """``record_autoscaling_stats`` of a P and a D replica (an engine's stats stood in for), as
+    Serve gets it: every policy of the role finds its figures (none answers "no report yet")."""
+    stats = SimpleNamespace(running=3, waiting_by_priority={1: 1, 5: 0}, kv_cache_usage=0.5,
+                            prompt_tokens_computed=0, queued_prompt_tokens=9000)
+
+    def replica(deployment):
+        server = object.__new__(deployment.func_or_class)  # the class Serve runs, without its engine
+        server.engine, server.meter = SimpleNamespace(stats=lambda: stats, shutdown=lambda: None), LoadMeter()
+        server.record_autoscaling_stats()  # the first report's rates are 0: the second's are measured
+        return {name: {"r": value} for name, value in server.record_autoscaling_stats().items()}
+
+    p, d = replica(servers.PrefillServer), replica(servers.DecodeServer)
+    assert PrefillScaling()(ctx(p))[0] == 3  # 9,000 queued / 4,096
+    assert PREFILL(ctx(p))[0] == 1  # 9,000 queued over 10 s
+    assert DecodeScaling(target_requests=2)(ctx(d))[0] == 2  # 4 requests / 2
+    assert DECODE(ctx(d))[0] == 1  # 4 requests of 80
 
 
 def test_the_queueing_model_and_the_decode_batch():
