@@ -89,8 +89,9 @@ class PrefillRateScaling:
 
 class DecodeRateScaling:
     """D replicas for the output tokens per second measured over the look-back window, or for the
-    requests running and queued, at the largest batch whose step meets ``slo_tpot_ms``
-    (pd_planner.decode_replicas)."""
+    requests running and queued, at the largest batch whose step meets ``slo_tpot_ms``, corrected
+    by the time per token the replicas measured against the profile's (pd_planner.decode_replicas,
+    decode_correction)."""
 
     def __init__(self, slo_tpot_ms: float, decode_step_ms: float, decode_ms_per_sequence: float) -> None:
         if slo_tpot_ms <= 0:
@@ -102,4 +103,9 @@ class DecodeRateScaling:
         tokens, requests = _total(ctx, "output_tokens_per_s"), _total(ctx, "requests")
         if tokens is None or requests is None:
             return ctx.target_num_replicas, {}
-        return pd_planner.decode_replicas(self.profile, self.slo_tpot_ms, tokens, requests), {}
+        # The replicas that measured a time per token (0: no stream sent two batches in 2 s).
+        measured = [ms for ms in ((ctx.aggregated_metrics or {}).get("token_ms") or {}).values() if ms > 0]
+        per_replica = requests / len(ctx.aggregated_metrics["requests"])
+        correction = pd_planner.decode_correction(self.profile, sum(measured) / len(measured), per_replica) \
+            if measured else 1.0
+        return pd_planner.decode_replicas(self.profile, self.slo_tpot_ms / correction, tokens, requests), {}

@@ -18,7 +18,8 @@ and the trace replay (benchmarks/pd_planner.py) call them.
   TPOT target is ``b_max``, a replica's tokens per second at the target ``b_max * 1000 / step``.
   Replicas: the output tokens per second measured over that, or the sequences it runs and queues
   over ``b_max``, whichever needs more (the rate says what is asked; the sequences say what waits
-  when the measured rate is already D's ceiling).
+  when the measured rate is already D's ceiling). As in Dynamo, the TPOT target is first divided
+  by a correction factor, D's measured time per token over the profile's at the batch it ran.
 
 The per-token and per-step costs are profiled (Dynamo's planner reads them from a profiling run;
 ``benchmarks/pd_planner.py`` names where this machine's come from), not measured live.
@@ -75,6 +76,15 @@ def prefill_replicas(prefill_ms_per_token: float, slo_ttft_ms: float, prompt_tok
     isl = prompt_tokens_per_s / prompts_per_s if prompts_per_s > 0 else 0.0
     load = prompt_tokens_per_s + queued_prompt_tokens / interval_s
     return _whole(load / prefill_capacity(prefill_ms_per_token, isl, slo_ttft_ms))
+
+
+def decode_correction(profile: DecodeProfile, token_ms: float, sequences_per_replica: float) -> float:
+    """Dynamo's decode correction factor: the time per token D measured over the one the profile
+    expects at the batch it ran (1 when nothing was measured). The planner divides the TPOT target
+    by it: a D slower than its profile is given smaller batches, so more replicas."""
+    if token_ms <= 0 or sequences_per_replica <= 0:
+        return 1.0
+    return token_ms / (profile.step_ms + sequences_per_replica * profile.ms_per_sequence)
 
 
 def decode_replicas(profile: DecodeProfile, slo_tpot_ms: float, output_tokens_per_s: float, sequences: float) -> int:

@@ -69,9 +69,10 @@ class _EngineServer:
         return self.load()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """``load`` and the rates since the last call (LoadMeter.rates): the rate-matched
-        policies' inputs (deployments/autoscaling.py)."""
-        return {**self.load(), **self.meter.rates(self.engine.stats().prompt_tokens_computed)}
+        """``load``, the rates since the last call and the recent time per token (LoadMeter): the
+        rate-matched policies' inputs (deployments/autoscaling.py)."""
+        return {**self.load(), **self.meter.rates(self.engine.stats().prompt_tokens_computed),
+                "token_ms": self.meter.token_ms()}
 
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose engine loop has died."""

@@ -11,6 +11,7 @@ from benchmarks import pd_planner as replay
 from deployments import pd_planner, servers
 from deployments.autoscaling import DecodeRateScaling, DecodeScaling, PrefillRateScaling, PrefillScaling
 from deployments.load_meter import LoadMeter
+from engine.outputs import RequestOutput
 
 # P: 0.1 ms a prompt token, TTFT 500 ms. D: a step is 10 ms + 0.5 ms a sequence, TPOT 50 ms:
 # 80 sequences a step at most, 80 * 1000 / 50 = 1600 tokens/s a replica.
@@ -44,6 +45,12 @@ TRACE = [
     # 10,000 tokens/s a replica -> 1 (0.5 rounded up).
     ({"prompt_tokens_per_s": {"a": 0}, "prompts_per_s": {"a": 0}, "queued_prompt_tokens": {"a": 50000}},
      {"output_tokens_per_s": {"x": 3200}, "requests": {"x": 80}}, (1, 2)),
+    # D runs slower than its profile: 60 ms a token measured (y measured none: left out) where 40
+    # sequences a replica should take 10 + 20 = 30. The correction, 2, halves the target to 25 ms:
+    # 30 sequences a step, 1,200 tokens/s a replica. 2,400 tokens/s -> 2; 80 sequences / 30 -> 3.
+    ({"prompt_tokens_per_s": {"a": 1000}, "prompts_per_s": {"a": 1}, "queued_prompt_tokens": {"a": 0}},
+     {"output_tokens_per_s": {"x": 1200, "y": 1200}, "requests": {"x": 40, "y": 40},
+      "token_ms": {"x": 60.0, "y": 0.0}}, (1, 3)),
     # A replica has not reported the rates yet: no change (the context's target, 2).
     ({"queued_prompt_tokens": {"a": 50000}}, {"requests": {"x": 80}}, (2, 2)),
 ]
@@ -74,17 +81,26 @@ def test_a_replicas_report_feeds_the_threshold_and_the_rate_policies():
     stats = SimpleNamespace(running=3, waiting_by_priority={1: 1, 5: 0}, kv_cache_usage=0.5,
                             prompt_tokens_computed=0, queued_prompt_tokens=9000)
 
+    now = [0.0]
+
     def replica(deployment):
         server = object.__new__(deployment.func_or_class)  # the class Serve runs, without its engine
-        server.engine, server.meter = SimpleNamespace(stats=lambda: stats, shutdown=lambda: None), LoadMeter()
+        server.engine = SimpleNamespace(stats=lambda: stats, shutdown=lambda: None)
+        server.meter = LoadMeter(clock=lambda: now[0])
         server.record_autoscaling_stats()  # the first report's rates are 0: the second's are measured
-        return {name: {"r": value} for name, value in server.record_autoscaling_stats().items()}
+        return server
 
     p, d = replica(servers.PrefillServer), replica(servers.DecodeServer)
+    previous = d.meter.sent([RequestOutput("r", [7], "", 1, False, None, 0)], None)
+    now[0] += 0.1
+    d.meter.sent([RequestOutput("r", [8], "", 2, False, None, 0)], previous)  # a token 100 ms after the last
+    p, d = ({name: {"r": value} for name, value in r.record_autoscaling_stats().items()} for r in (p, d))
     assert PrefillScaling()(ctx(p))[0] == 3  # 9,000 queued / 4,096
     assert PREFILL(ctx(p))[0] == 1  # 9,000 queued over 10 s
     assert DecodeScaling(target_requests=2)(ctx(d))[0] == 2  # 4 requests / 2
-    assert DECODE(ctx(d))[0] == 1  # 4 requests of 80
+    # 100 ms a token where the profile says 10 + 4 * 0.5 = 12: the target shrinks to 6 ms, below
+    # a step: one sequence a replica, 4 replicas (1 as profiled).
+    assert DECODE(ctx(d))[0] == 4
 
 
 def test_the_queueing_model_and_the_decode_batch():
