@@ -105,7 +105,7 @@ class DecodeRateScaling:
             return ctx.target_num_replicas, {}
         # The replicas that measured a time per token (0: no stream sent two batches in 2 s).
         measured = [ms for ms in ((ctx.aggregated_metrics or {}).get("token_ms") or {}).values() if ms > 0]
-        per_replica = requests / len(ctx.aggregated_metrics["requests"])
-        correction = pd_planner.decode_correction(self.profile, sum(measured) / len(measured), per_replica) \
-            if measured else 1.0
+        token_ms = sum(measured) / len(measured) if measured else 0.0  # 0: no correction
+        correction = pd_planner.decode_correction(self.profile, token_ms,
+                                                  requests / len(ctx.aggregated_metrics["requests"]))
         return pd_planner.decode_replicas(self.profile, self.slo_tpot_ms / correction, tokens, requests), {}
