@@ -4,7 +4,8 @@ Starts each app alone on this machine's two cores: colocated gives its one engin
 apps give P and D one torch thread each. "pd" is prefix-aware PD as configured by default
 (decode-side reuse, local prefill of short rests, deployments/disaggregation.py); "pd-whole" is
 PD that sends every prompt whole through P (``pd_decode_prefix_reuse=false``,
-``pd_local_prefill_tokens=0``), the PD of before. Runs the same rate sweep of three workloads
+``pd_local_prefill_tokens=0``), the PD of before; "pd-slo" is "pd" given the SLOs (PD_SLO) its
+policy weighs (docs/serving.md). Runs the same rate sweep of three workloads
 against each (chat-like: 64-256 in / 32 out; prefill-heavy: 1024 / 16; multi-turn: conversations
 of 4 turns over a 1024-token system prompt, 64 new tokens and 32 out per turn), prints goodput,
 p99 TTFT and p99 TPOT side by side with ratios to colocated, and for the PD apps the KV bytes
@@ -64,13 +65,14 @@ from tests.serving import deploy, serve_session  # noqa: E402
 
 WORKLOADS = {"chat-like": ("64:256", "32"), "prefill-heavy": ("1024", "16"), "multi-turn": None}
 LONG_PROMPT = ("2048:4000", "32")  # tiny-llama's context is 4096 tokens
-SLO_RATES = {  # per workload, up past what an app on two cores sustains (req/s)
-    "chat-like": (4, 8, 16, 32, 48), "prefill-heavy": (2, 4, 8, 16, 24), "multi-turn": (2, 4, 8, 16, 24),
-    "long-prompt": (1, 2, 4, 6, 8)}
+SLO_RATES = {  # per workload, up past what an app on two cores sustains (req/s); the targets first
+    "prefill-heavy": (2, 4, 8, 16, 24), "long-prompt": (1, 2, 4, 6, 8), "chat-like": (4, 8, 16, 32, 48),
+    "multi-turn": (2, 4, 8, 16, 24)}
 LOAD_SECONDS = 4  # an SLO sweep's run sends at least this many seconds of arrivals at its rate
 MULTI_TURN = {"turns": 4, "system_len": 1024, "user_len": 64, "output_len": 32}
 GOODPUT = ["ttft:2000", "tpot:100"]
 PD_WHOLE = {"pd_decode_prefix_reuse": False, "pd_local_prefill_tokens": 0}
+PD_SLO = {"slo_ttft_ms": 2000, "slo_tpot_ms": 50}  # conditional PD told the middle pair of the SLO grid
 APPS = {  # how the two cores are split
     "colocated": lambda: colocated_app({"torch_threads": 2, "embeddings": False},
                                        {"ray_actor_options": {"num_cpus": 2}}),
@@ -78,6 +80,8 @@ APPS = {  # how the two cores are split
                                {"ray_actor_options": {"num_cpus": 1}}, {"ray_actor_options": {"num_cpus": 1}}),
     "pd": lambda: pd_app({"torch_threads": 1, "embeddings": False},
                          {"ray_actor_options": {"num_cpus": 1}}, {"ray_actor_options": {"num_cpus": 1}}),
+    "pd-slo": lambda: pd_app({"torch_threads": 1, "embeddings": False, **PD_SLO},
+                             {"ray_actor_options": {"num_cpus": 1}}, {"ray_actor_options": {"num_cpus": 1}}),
 }
 COUNTERS = {  # what each run adds to the server's figures (/metrics)
     "kv_bytes": r"^pdserve_kv_bytes_moved (\S+)$",
