@@ -136,6 +136,9 @@ def test_text_format_json_schema_validates(base_url):
      "input.0.content.0.type"),
     ({"max_output_tokens": CAP + 1}, "max_output_tokens"),
     ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
+    ({"reasoning": {"effort": "low"}}, "reasoning.effort"),  # tiny-llama does not reason
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"input": [{"role": "user", "content": "Hi"}, {"type": "reasoning", "summary": []}]}, "input.1"),
 ])
 def test_what_is_not_offered_is_refused_by_name(base_url, fields, param):
     body = {"model": MODEL, "input": "Hi", **fields}
