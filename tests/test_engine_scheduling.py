@@ -4,10 +4,10 @@ import time
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockCounts, BlockManager
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import GenerationRequest, Mode, Sequence
+from engine.request import GenerationRequest, Mode, Sequence, SequenceStatus
 from engine.scheduler import Scheduler
 from sampling import SamplingParams
 
@@ -151,3 +151,52 @@ def test_model_length_and_vocabulary_are_enforced(tiny_engine_config):
         engine.add_request(GenerationRequest("too-long", list(range(3, 40)), greedy(1)))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request(GenerationRequest("oov", [engine.vocab_size], greedy(1)))
+
+
+def test_the_scheduler_alone_admits_what_fits_exactly_counts_and_forgets():
+    """The scheduler and the block ledger without a model (the tests `make mutants` runs): a prompt
+    that fills the pool to the last block is admitted; max_num_seqs bounds admission; a finished
+    prompt's blocks serve the next one as prefix hits, counted as vLLM counts them; a request
+    removed while waiting leaves the queue; has_work follows the queues; the counters start at 0."""
+    blocks = BlockManager(num_blocks=3, block_size=4)
+    scheduler = Scheduler(blocks, max_num_seqs=2, max_num_batched_tokens=64)
+    assert not scheduler.has_work() and scheduler.num_preemptions == 0 and scheduler.num_prompt_tokens_computed == 0
+    first = _seq("first", 1, 0, 12)  # 12 tokens: exactly the 3 blocks
+    scheduler.add(first)
+    assert first.status is SequenceStatus.WAITING and scheduler.has_work()
+    batch = scheduler.schedule()
+    assert batch.entries == [(first, 12)] and blocks.counts() == BlockCounts(total=3, held=3, cached=0, free=0)
+    scheduler.commit(batch)
+    assert scheduler.num_prompt_tokens_computed == 12 and scheduler.has_work()
+    scheduler.remove(first)  # finished: its three full blocks stay cached
+    assert not scheduler.has_work() and blocks.counts() == BlockCounts(total=3, held=0, cached=3, free=0)
+
+    again, other, third = _seq("again", 1, 1, 12), _seq("other", 1, 2, 1), _seq("third", 1, 3, 1)
+    for seq in (again, other, third):
+        scheduler.add(seq)
+    scheduler.remove(other)  # never admitted: it leaves the queue, the others stay in order
+    assert scheduler.waiting == [again, third]
+    batch = scheduler.schedule()  # the prompt's first 2 blocks are hits; its last token is computed
+    assert batch.entries == [(again, 4)] and again.num_computed_tokens == 8
+    assert (blocks.prefix_queries, blocks.prefix_hits) == (24, 8)
+    scheduler.commit(batch)
+    assert scheduler.num_prompt_tokens_computed == 16
+    assert scheduler.waiting == [third]  # no block left for it
+
+    crowd = Scheduler(BlockManager(num_blocks=8, block_size=4), max_num_seqs=2, max_num_batched_tokens=64)
+    seqs = [_seq(f"s{i}", 1, i, 2) for i in range(3)]
+    for seq in seqs:
+        crowd.add(seq)
+    assert [s for s, _ in crowd.schedule().entries] == seqs[:2]  # the third waits for a seat
+    assert crowd.waiting == seqs[2:]
+
+    # Prefix blocks still held by a running request are shared, not counted again: two more copies
+    # of its prompt need one new block each, and both fit in the two left.
+    shared = Scheduler(BlockManager(num_blocks=5, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
+    a, b, c = _seq("a", 1, 0, 12), _seq("b", 1, 1, 12), _seq("c", 1, 2, 12)
+    shared.add(a)
+    shared.commit(shared.schedule())  # a runs and keys its 3 full blocks; no token sampled yet
+    shared.add(b)
+    shared.add(c)
+    assert shared.schedule().entries == [(b, 4), (c, 4)] and shared.blocks.num_free == 0
+    assert (shared.blocks.prefix_queries, shared.blocks.prefix_hits) == (36, 16)

@@ -116,3 +116,32 @@ def test_generated_logprobs_equal_transformers_log_softmax_of_the_processed_logi
         if not settings["temperature"]:
             assert token == int(want.argmax())  # greedy: the processed distribution's best
         assert want[token].isfinite()  # sampled: never a token the processing forbade
+
+
+def test_each_row_gets_the_top_n_it_asked_for_and_a_forbidden_token_the_float32_lowest():
+    """The sampler alone (no model): rows asking for different N in one batch each get their own N
+    (the table is computed once, for the largest), a row that asks none gets none, and a token the
+    processing forbade is reported at float32's lowest, -3.4e38, a number JSON can carry."""
+    from sampling import Sampler
+    from tests.sampling_helpers import batch_of
+
+    vocab = 20  # logprobs <= 20: the whole vocabulary can be asked for
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.0, logprobs=4),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=3, bad_words_ids=[[7]])]
+    logits[3, 7] = 100.0  # the best token, banned: never chosen, reported without mass
+    out = Sampler(torch.device("cpu"), vocab)(logits.clone(), batch_of(params, vocab))
+    want = logits.log_softmax(-1)
+    assert [len(t) if t is not None else None for t in out.top_logprobs] == [1, 4, None, 3]
+    assert out.logprobs[2] is None
+    for row in (0, 1):
+        ids = want[row].topk(len(out.top_logprobs[row])).indices.tolist()
+        assert [t for t, _ in out.top_logprobs[row]] == ids
+        assert out.logprobs[row] == pytest.approx(want[row].max().item(), abs=1e-5)
+    assert out.token_ids[3] != 7
+    banned = logits[3:].clone()
+    banned[0, 7] = -float("inf")
+    assert out.logprobs[3] == pytest.approx(banned.log_softmax(-1)[0].max().item(), abs=1e-5)
+    everything = Sampler(torch.device("cpu"), vocab)(logits[3:].clone(), batch_of(
+        [SamplingParams(temperature=0.0, logprobs=vocab, bad_words_ids=[[7]])], vocab)).top_logprobs[0]
+    assert everything[-1] == (7, -3.4e38)

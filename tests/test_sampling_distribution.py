@@ -138,3 +138,51 @@ def test_greedy_rows_take_torchs_argmax_ties_nan_and_masked_rows_included():
     for view in (logits, logits[:, :999], logits[::2]):
         assert torch.equal(greedy(view), view.argmax(-1))
     assert greedy(logits)[:3].tolist() == [10, 0, 40]
+
+
+# ---- boundaries random data rarely meets (survivors of `make mutants`, docs/testing.md) -------
+
+def test_top_k_at_its_bounds_keeps_exactly_k():
+    """k = 1 sampled (do_sample forces the race) is the argmax; k equal to the operator's limit
+    still applies; k = 64 and 65 (either side of the candidate-width split) keep their top k."""
+    rising = [[j * 1e-3 for j in range(2048)]]  # token 0 the least likely, 2047 the most
+    assert op(rising, [1024], [1.0], [[1e-6] + [1.0] * 2047], limit=1024) == [2047]  # k = the limit: token 0 cut
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(8)) * 2
+    for k in (1, 64, 65):
+        params = SamplingParams(top_k=k, do_sample=True)
+        assert not params.greedy
+        tokens = Sampler(torch.device("cpu"), 300)(logits.expand(2000, 300).clone(), batch_of([params] * 2000, 300))
+        top = set(logits.topk(k).indices.tolist())
+        assert set(tokens.token_ids) <= top and (k == 1 or len(set(tokens.token_ids)) > k // 4), k
+    # Rows of another k in the same candidate group (the group's width is the largest k), and a
+    # k past the operator's 1024 that the engine's sampler keeps (its limit is the vocabulary).
+    mixed = [SamplingParams(top_k=3), SamplingParams(top_k=60)] * 1000
+    tokens = Sampler(torch.device("cpu"), 300)(logits.expand(2000, 300).clone(), batch_of(mixed, 300)).token_ids
+    assert set(tokens[::2]) <= set(logits.topk(3).indices.tolist())
+    wide = torch.randn(3000, generator=torch.Generator().manual_seed(11)) * 0.1
+    tokens = Sampler(torch.device("cpu"), 3000)(wide.expand(500, 3000).clone(),
+                                                batch_of([SamplingParams(top_k=2000)] * 500, 3000)).token_ids
+    assert set(tokens) <= set(wide.topk(2000).indices.tolist())
+
+
+def test_min_p_of_one_keeps_only_the_best():
+    tokens = Sampler(torch.device("cpu"), 300)(torch.randn(300, generator=torch.Generator().manual_seed(9)).expand(
+        500, 300).clone(), batch_of([SamplingParams(min_p=1.0)] * 500, 300)).token_ids
+    assert set(tokens) == {int(torch.randn(300, generator=torch.Generator().manual_seed(9)).argmax())}
+
+
+def test_logits_wider_than_the_vocabulary_never_give_a_padding_token():
+    """A model's output may be padded past its vocabulary (the sampler slices it off)."""
+    logits = torch.randn(64, VOCAB + 16, generator=torch.Generator().manual_seed(10))
+    logits[:, VOCAB:] = 50.0  # padding columns that would win every draw
+    params = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_k=5), SamplingParams(top_p=0.5)]
+    out = Sampler(torch.device("cpu"), VOCAB)(logits, batch_of(params * 16, VOCAB))
+    assert max(out.token_ids) < VOCAB
+
+
+def test_do_sample_decides_greedy_before_temperature_and_top_k():
+    assert SamplingParams(do_sample=False, temperature=1.0).greedy
+    assert SamplingParams(do_sample=True, temperature=0.0).greedy  # nothing to sample from at temperature 0
+    assert not SamplingParams(do_sample=True, top_k=1).greedy
+    assert SamplingParams(top_k=1).greedy and SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(top_k=2).greedy and not SamplingParams().greedy

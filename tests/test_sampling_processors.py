@@ -102,3 +102,11 @@ def test_bans_at_the_shortest_history_that_allows_them():
     got = ours(logits, ids, [SamplingParams(bad_words_ids=[[7, 8, 9]])], output_len=0)
     want = NoBadWordsLogitsProcessor([[7, 8, 9]], eos_token_id=EOS)(ids, logits.clone())
     assert torch.equal(got, want) and got[0, 9] == -float("inf")
+
+
+def test_a_row_too_short_to_ban_does_not_stop_the_rows_after_it():
+    """The n-gram ban skips a row whose history is shorter than n, and goes on to the next rows."""
+    ids = torch.tensor([[5, 5, 5], [6, 6, 6]])
+    params = [SamplingParams(no_repeat_ngram_size=5), SamplingParams(no_repeat_ngram_size=2)]
+    got = ours(torch.zeros(2, VOCAB), ids, params, output_len=0)
+    assert torch.isfinite(got[0]).all() and got[1, 6] == -float("inf")
