@@ -84,7 +84,7 @@ class SegmentLease:
         return KVSegment, astuple(self.segment)
 
     def __del__(self) -> None:
-        _unlink(self.segment.path)
+        self.segment.path.unlink(missing_ok=True)  # D (or a sweep) may have ended it first
 
 
 class SharedMemoryConnector(KVConnector):
@@ -145,7 +145,7 @@ def write_segment(data: np.ndarray) -> KVSegment:
         while view:
             view = view[os.write(fd, view):]
     except BaseException:
-        _unlink(segment.path)
+        segment.path.unlink(missing_ok=True)
         raise
     finally:
         os.close(fd)
@@ -164,7 +164,7 @@ def map_segment(segment: KVSegment) -> np.ndarray:
         mapped = mmap.mmap(fd, segment.nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
     finally:
         os.close(fd)
-    _unlink(segment.path)
+    segment.path.unlink(missing_ok=True)  # the ingress's lease or a sweep may have ended it first
     return np.frombuffer(mapped, np.dtype(segment.dtype)).reshape(segment.shape)
 
 
@@ -183,7 +183,7 @@ def sweep(lease_s: float) -> list[str]:
         except FileNotFoundError:  # ended meanwhile
             continue
         if stale:
-            _unlink(Path(entry.path))
+            Path(entry.path).unlink(missing_ok=True)
             swept.append(entry.name)
     return swept
 
@@ -229,10 +229,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # alive, another user's
         return True
     return True
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:  # D, the ingress's lease or a sweep ended it first
-        pass
