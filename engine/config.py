@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
-ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_paged")  # engine/execution/attention/
+ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_paged", "triton_paged")  # engine/execution/attention/
 
 
 @dataclass
@@ -26,13 +26,19 @@ class EngineConfig:
     sampler_backend: str = "auto"  # auto (Ascend's operator on an NPU, else torch), native, ascend
     torch_threads: int | None = None  # intra-op threads for this engine; None: torch's default
     enable_prefix_caching: bool = True  # reuse the KV of full blocks other requests computed
-    # engine/execution/attention/: auto, torch_sdpa (the reference) or cpu_paged (the C++ kernel)
+    # engine/execution/attention/: auto, torch_sdpa (the reference), cpu_paged (the C++ kernel, CPU) or
+    # triton_paged (the Triton kernels, CUDA)
     attention_backend: str = "auto"
     # Each row's tokens and logprobs independent of the other rows of its step and of how its
     # prompt was chunked, in float32, bfloat16 and float16 on the CPU (docs/sampling.md); costs
     # throughput (benchmarks/RESULTS.md). None: on where the engine can have it if the environment
     # says PDSERVE_BATCH_INVARIANT=1 (as vLLM's VLLM_BATCH_INVARIANT; the test suite sets it), else off.
     batch_invariant: bool | None = None
+    # CUDA with triton_paged: decode steps of up to this many rows replay CUDA graphs captured at
+    # start-up (engine/execution/cuda_graphs.py; larger steps run eagerly); enforce_eager captures
+    # none (vLLM's setting of the same name). Elsewhere every step runs eagerly.
+    enforce_eager: bool = False
+    max_cuda_graph_batch: int = 256
     # Speculative decoding (engine/decoding/speculative.py): a request's own draft tokens, at most this many
     # (TensorRT-LLM's max_draft_len), all verified in one step.
     max_draft_tokens: int = 8
@@ -58,6 +64,8 @@ class EngineConfig:
                      "prompt_lookup_min", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if self.max_cuda_graph_batch < 0:
+            raise ValueError("max_cuda_graph_batch: must be >= 0 (0 captures no graph)")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks: must be >= 1")
         if self.max_draft_tokens < 0:

@@ -11,6 +11,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # batch-invariant where it can be: the suite's exact comparisons then hold in whatever dtype this
 # CPU's "auto" picks (docs/sampling.md). Tests of the default fast mode pass batch_invariant=False.
 os.environ.setdefault("PDSERVE_BATCH_INVARIANT", "1")
+# Without a GPU, Triton's interpreter runs the CUDA backend's kernels on CPU tensors
+# (tests/test_triton_attention.py). Triton reads the setting when it is imported, which
+# transformers does below; where CUDA is, the kernels compile and run on it instead.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.models import ARCHITECTURES, make_random_model  # noqa: E402
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from engine.outputs import TokenLogprob
 from engine.request import Sequence
 from engine.scheduler import ScheduledBatch
 from sampling import Sampler, SamplerOutput, SamplingBatch, SamplingRow
+
+if TYPE_CHECKING:  # imported where used: it needs Triton, which a CPU install need not have
+    from engine.execution.cuda_graphs import DecodeGraphs
 
 SCORE_ROWS = 256  # prompt rows scored per LM-head call: bounds the [rows, V] float32 logits
 # Rows per matmul call in batch-invariant mode (engine/execution/model.py tiled_linear): the
@@ -66,6 +70,17 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
     return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * element
 
 
+def _check_device_memory(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """On CUDA, refuse a KV pool larger than the device's free memory, saying both."""
+    if device.type != "cuda":
+        return
+    asked = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    free, total = torch.cuda.mem_get_info(device)
+    if asked > free:
+        raise ValueError(f"kv_cache_memory_gb / num_blocks: the KV pool needs {asked / (1 << 30):.2f} GiB on {device}, "
+                         f"which has {free / (1 << 30):.2f} GiB free of {total / (1 << 30):.2f} GiB")
+
+
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     """Blocks in the pool: ``num_blocks``, or as many as ``kv_cache_memory_gb`` holds."""
     if config.num_blocks is not None:
@@ -80,8 +95,9 @@ class ModelRunner:
         self.device = loaded.device
         spec = loaded.spec
         # [layers, k/v, slots, kv_heads, head_dim], allocated once.
-        self.kv_cache = torch.zeros(spec.num_layers, 2, blocks.num_blocks * blocks.block_size, spec.num_kv_heads,
-                                    spec.head_dim, dtype=loaded.dtype, device=self.device)
+        shape = (spec.num_layers, 2, blocks.num_blocks * blocks.block_size, spec.num_kv_heads, spec.head_dim)
+        _check_device_memory(self.device, shape, loaded.dtype)
+        self.kv_cache = torch.zeros(shape, dtype=loaded.dtype, device=self.device)
         self.sampler = Sampler(self.device, spec.vocab_size, config.top_k_guess, config.sampler_backend)
         self.windows = set(spec.layer_windows)
         self.batch_invariant = config.batch_invariant
@@ -89,19 +105,31 @@ class ModelRunner:
             self.batch_invariant = (os.environ.get("PDSERVE_BATCH_INVARIANT") == "1"
                                     and config.attention_backend != "torch_sdpa"
                                     and batch_invariant_supported(self.device, loaded.dtype))
-        self.attention = select_backend(config.attention_backend, self.device, loaded.dtype, self.batch_invariant)
+        self.attention = select_backend(config.attention_backend, self.device, loaded.dtype, self.batch_invariant,
+                                        group=spec.num_heads // spec.num_kv_heads)
         loaded.model.set_row_tile(BATCH_INVARIANT_ROWS if self.batch_invariant else None)
-        # Step inputs, allocated once: [max tokens per step] each, filled from one host array.
-        self._inputs = torch.zeros(3, config.max_num_batched_tokens, dtype=torch.int64)  # ids, positions, slots
-        self._inputs_np = self._inputs.numpy()
+        # Step inputs, allocated once: [max tokens per step] each, filled from one host array
+        # (pinned on CUDA, so that its copy to the device does not wait on a staging copy).
+        pinned = self.device.type == "cuda"
+        self._inputs = torch.zeros(3, config.max_num_batched_tokens, dtype=torch.int64, pin_memory=pinned)
+        self._inputs_np = self._inputs.numpy()  # ids, positions, slots
         self._lora_stacks: LoraStacks | None = None  # the last steps' adapters, stacked (engine/execution/lora.py)
+        self.graphs: DecodeGraphs | None = None  # built by warm_up on CUDA with triton_paged
+        if self.attention.name == "triton_paged" and self.device.type == "cuda" and not config.enforce_eager:
+            max_batch = min(config.max_cuda_graph_batch, config.max_num_seqs)
+            width = -(-loaded.max_model_len // blocks.block_size)
+            if max_batch > 0:
+                from engine.execution.cuda_graphs import DecodeGraphs
+
+                self.graphs = DecodeGraphs(loaded.model, self.kv_cache, blocks.block_size, max_batch, width,
+                                           spec.num_heads // spec.num_kv_heads)
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:
         """One throw-away forward of a full step's tokens at start-up (as vLLM's profile run):
         the first real request then finds the allocator and the kernels warm. It writes KV
         into pool slots that no sequence owns yet; every slot is written by its owner before
-        it is read."""
+        it is read. On CUDA with triton_paged it then captures the decode steps' graphs."""
         num_tokens = min(num_tokens, self.kv_cache.shape[2], self.loaded.spec.max_position)
         positions = torch.arange(num_tokens, device=self.device)
         blocks = list(range(-(-num_tokens // self.blocks.block_size)))
@@ -109,6 +137,8 @@ class ModelRunner:
                                       self.blocks.block_size, self.device)
         hidden = self.loaded.model(torch.zeros_like(positions), positions, attn, self.kv_cache)
         self.loaded.model.compute_logits(hidden[-1:])
+        if self.graphs is not None:
+            self.graphs.capture()
 
     def kv_meta(self, num_tokens: int, start: int = 0) -> KVMeta:
         spec = self.loaded.spec
@@ -154,9 +184,12 @@ class ModelRunner:
             if seq.wants_context_logits and in_prompt > 0:
                 to_keep.append((seq, flat, start, in_prompt))
             flat += n
-        ids, positions, slot_mapping = self._inputs[:, :flat].to(self.device)
-        attn = self.attention.prepare(slot_mapping, attention_seqs, self.windows, self.blocks.block_size, self.device)
         model = self.loaded.model
+        if self._graph_eligible(batch, flat, rows_per_entry, table_rows, to_score, to_keep):
+            logits = self.graphs.run(inputs[0, :flat], inputs[1, :flat], inputs[2, :flat], attention_seqs)
+            return self._sample_step(logits, rows, [], [])
+        ids, positions, slot_mapping = self._inputs[:, :flat].to(self.device, non_blocking=True)
+        attn = self.attention.prepare(slot_mapping, attention_seqs, self.windows, self.blocks.block_size, self.device)
         replaced = None
         if table_rows:
             replaced = (torch.tensor(table_rows, device=self.device), torch.cat(table_embeddings).to(self.device))
@@ -169,10 +202,24 @@ class ModelRunner:
         if not sample_rows:
             return StepResult(None, scores, context)
         logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [R, V]
+        return self._sample_step(logits, rows, scores, context)
+
+    def _graph_eligible(self, batch: ScheduledBatch, flat: int, rows_per_entry: list[int], table_rows: list,
+                        to_score: list, to_keep: list) -> bool:
+        """Whether this step replays a CUDA graph: every entry one decode row that samples once,
+        nothing the graph does not compute (LoRA, prompt tables, scores, context logits)."""
+        return (self.graphs is not None and flat == len(batch.entries) <= self.graphs.max_batch
+                and not table_rows and not to_score and not to_keep and not any(batch.drafted)
+                and all(repeat == 1 for repeat in rows_per_entry)
+                and all(seq.lora is None for seq, _ in batch.entries))
+
+    def _sample_step(self, logits: torch.Tensor, rows: list[SamplingRow], scores: list[PromptScores],
+                     context: list[ContextRows]) -> StepResult:
+        """The step's result from the sampled rows' logits [R, V]."""
         kept = None
         # Copied before the sampler works on them: rows that return them, and beams, which are scored on them.
         if any(row.params.return_generation_logits or row.params.beam_width > 1 for row in rows):
-            kept = logits[:, :vocab].to("cpu", torch.float32, copy=True)
+            kept = logits[:, :self.loaded.spec.vocab_size].to("cpu", torch.float32, copy=True)
         return StepResult(self._sample(logits, rows), scores, context, kept)
 
     def _lora_step(self, batch: ScheduledBatch, num_rows: int) -> LoraStep | None:

@@ -15,9 +15,15 @@ Backends (one file each):
   fixed reduction order over keys (batch- and chunking-invariant). CPU; float32, bfloat16,
   float16. It takes the decodes, and in batch-invariant mode the prefill chunks too (otherwise
   they go to torch's flash SDPA, faster on long query blocks).
-``auto`` picks ``cpu_paged`` wherever it runs (a CPU, one of its dtypes, the kernel built), else
-``torch_sdpa``: on a 32 x 2,048-token decode step the kernel takes a fifth of the reference's time
-(the reference copies every block into a padded gather first; benchmarks/RESULTS.md).
+- ``triton_paged``: Triton kernels that read the pool in place, one launch per layer per step for
+  every row (decodes and prefill chunks, varlen), GQA without repeated K/V. CUDA; float32,
+  bfloat16, float16. Its launches take no host sync, so decode steps replay as CUDA graphs
+  (engine/execution/cuda_graphs.py). On the CPU it runs only under Triton's interpreter
+  (``TRITON_INTERPRET=1``): how the tests run its source.
+``auto`` picks ``triton_paged`` on CUDA, ``cpu_paged`` on a CPU where it runs (a CPU, one of its
+dtypes, the kernel built), else ``torch_sdpa``: on a 32 x 2,048-token decode step the CPU kernel
+takes a fifth of the reference's time (the reference copies every block into a padded gather
+first; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -69,15 +75,18 @@ def batch_invariant_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype,
-                   batch_invariant: bool = False) -> AttentionBackend:
-    """The backend called ``name``; for "auto", cpu_paged where it runs (the faster), else
-    torch_sdpa. ``batch_invariant`` needs the one whose order over keys is fixed: cpu_paged, on every row."""
+                   batch_invariant: bool = False, group: int = 1) -> AttentionBackend:
+    """The backend called ``name``; for "auto", triton_paged on CUDA, cpu_paged on a CPU where it
+    runs (the faster), else torch_sdpa. ``batch_invariant`` needs the one whose order over keys is
+    fixed: cpu_paged, on every row. ``group``: the model's query heads per KV head."""
     from engine.execution.attention import cpu_paged, torch_sdpa
 
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     if name == "torch_sdpa":
         return torch_sdpa.BACKEND
+    if name == "triton_paged" or (name == "auto" and device.type == "cuda" and not batch_invariant):
+        return _triton_backend(device, dtype, group, named=name == "triton_paged")
     if name == "auto" and not batch_invariant:  # cpu_paged wherever it runs: where it could be batch-invariant
         return cpu_paged.backend(all_rows=False) if batch_invariant_supported(device, dtype) else torch_sdpa.BACKEND
     # cpu_paged, by name or because batch invariance needs it
@@ -85,3 +94,30 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"attention_backend: cpu_paged (which batch_invariant needs) runs on the CPU in "
                          f"{', '.join(str(d) for d in cpu_paged.DTYPES)}, not on {device} in {dtype}")
     return cpu_paged.backend(all_rows=batch_invariant)
+
+
+def _triton_backend(device: torch.device, dtype: torch.dtype, group: int, named: bool) -> AttentionBackend:
+    """triton_paged where it can run: CUDA (or the CPU under Triton's interpreter), one of its
+    dtypes, Triton importable. Asked for by name, anything else is an error naming the setting;
+    chosen by "auto", the reference instead, with a warning."""
+    import logging
+    import os
+
+    from engine.execution.attention import torch_sdpa
+
+    reason = None
+    if not (device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
+        reason = f"runs on CUDA, not on {device} (on a CPU only under TRITON_INTERPRET=1, for tests)"
+    elif dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        reason = f"takes float32, bfloat16 or float16, not {dtype}"
+    else:
+        try:
+            from engine.execution.attention import triton_paged
+        except ImportError as error:
+            reason = f"needs Triton ({error})"
+    if reason is not None:
+        if named:
+            raise ValueError(f"attention_backend: triton_paged {reason}")
+        logging.getLogger(__name__).warning("attention: triton_paged %s; using torch_sdpa", reason)
+        return torch_sdpa.BACKEND
+    return triton_paged.TritonPagedBackend(group)

@@ -1,0 +1,130 @@
+"""CUDA graphs for decode steps: the forward and the LM head, captured once per padded batch size.
+
+A decode step launches some 15 kernels per layer; from Python each launch costs more than the
+GPU's work on a few hundred rows, so an eager decode step is launch-bound. A graph replays the
+whole step in one launch. It replays what it captured: the same kernels on the same memory, so
+the step's inputs live in buffers allocated once (ids, positions, slots and the attention
+metadata of triton_paged), written before each replay with two host-to-device copies.
+
+Which steps: every row a decode (one new token per sequence, no drafts, no LoRA, no prompt
+table, no prompt logprobs or context logits: ``ModelRunner`` decides), at most the largest size
+captured. A step of n rows replays the smallest graph of at least n rows; the padding rows write
+no KV (slot -1) and their sequences have no new tokens (the kernel skips them). Prefill and mixed
+steps run eagerly. The sizes follow vLLM's: 1, 2, 4, then multiples of 8 and 16 up to the
+largest batch (``max_cuda_graph_batch``); all share one memory pool, captured largest first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from engine.execution.attention import AttentionSeq
+from engine.execution.attention.triton_paged import TritonStep, tile_tokens
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """The padded batch sizes captured, ascending: 1, 2, 4, 8, 16, 24, 32, then every 16, up to ``max_batch``."""
+    sizes = [s for s in (1, 2, 4, *range(8, 33, 8), *range(48, max_batch + 1, 16)) if s <= max_batch]
+    return sizes if sizes and sizes[-1] == max_batch else sizes + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, max_batch: int, table_width: int,
+                 group: int) -> None:
+        """``table_width``: the longest block table a sequence can have (max_model_len / block_size)."""
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.sizes = capture_sizes(max_batch)
+        self.block_q = tile_tokens(group, prefill=False)  # a work item per sequence: its one token
+        device = kv_cache.device
+        largest = self.sizes[-1]
+        self.table_width = table_width
+        # Host staging, pinned (asynchronous copies), and the device buffers the graphs read.
+        self._host_inputs = torch.zeros(3, largest, dtype=torch.int64, pin_memory=True)  # ids, positions, slots
+        self._inputs = torch.zeros(3, largest, dtype=torch.int64, device=device)
+        meta_size = largest * (table_width + 3 + 2)  # tables, seq_info, work
+        self._host_meta = torch.zeros(meta_size, dtype=torch.int32, pin_memory=True)
+        self._meta = torch.zeros(meta_size, dtype=torch.int32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self.pool_bytes = 0
+
+    def _meta_views(self, buffer: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tables [size, width], seq_info [size, 3], work [size, 2]: views of ``buffer``."""
+        tables, seq_info, work, _ = buffer.split([size * self.table_width, size * 3, size * 2,
+                                                  buffer.numel() - size * (self.table_width + 5)])
+        return tables.view(size, self.table_width), seq_info.view(size, 3), work.view(size, 2)
+
+    def _step(self, size: int) -> TritonStep:
+        tables, seq_info, work = self._meta_views(self._meta, size)
+        return TritonStep(self._inputs[2, :size], tables, seq_info, work, self.block_q, self.block_size)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        ids, positions = self._inputs[0, :size], self._inputs[1, :size]
+        hidden = self.model(ids, positions, self._step(size), self.kv_cache)  # [size, H]
+        return self.model.compute_logits(hidden)  # [size, V]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, into one memory pool; logs the time and the memory."""
+        start, before = time.perf_counter(), torch.cuda.memory_reserved()
+        self._write_padding(self.sizes[-1])
+        pool = None
+        for size in reversed(self.sizes):
+            stream = torch.cuda.Stream()  # warm-up off the default stream, as torch.cuda.graphs asks
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(size)  # compiles Triton's kernels and settles cuBLAS's choices
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[size] = self._forward(size)
+            pool = graph.pool()
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+        self.pool_bytes = torch.cuda.memory_reserved() - before
+        log.info("cuda graphs: %d decode sizes up to %d rows captured in %.1f s, %.0f MiB", len(self.sizes),
+                 self.sizes[-1], time.perf_counter() - start, self.pool_bytes / (1 << 20))
+
+    def _write_padding(self, size: int) -> None:
+        """Every row padding: slot -1, no new tokens (what capture runs on)."""
+        self._inputs[:, :size] = 0
+        self._inputs[2, :size] = -1
+        tables, seq_info, work = self._meta_views(self._meta, size)
+        tables.zero_()
+        seq_info.zero_()
+        work[:, 0] = torch.arange(size, dtype=torch.int32, device=work.device)
+        work[:, 1] = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seqs: list[AttentionSeq]
+            ) -> torch.Tensor:
+        """The logits [n, V] of a decode step of n <= max_batch rows (row i is seqs[i]'s token)."""
+        n = len(seqs)
+        size = next(s for s in self.sizes if s >= n)
+        host = self._host_inputs.numpy()
+        host[0, :n], host[1, :n], host[2, :n] = ids, positions, slots
+        host[:2, n:size], host[2, n:size] = 0, -1
+        tables, seq_info, work = (v.numpy() for v in self._meta_views(self._host_meta, size))
+        tables[:] = 0
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        seq_info[:, 0] = np.arange(size)
+        seq_info[:n, 1], seq_info[n:, 1] = 1, 0
+        seq_info[:n, 2] = positions
+        seq_info[n:, 2] = 0
+        work[:, 0], work[:, 1] = np.arange(size), 0
+        self._inputs[:, :size].copy_(self._host_inputs[:, :size], non_blocking=True)
+        used = size * (self.table_width + 5)
+        self._meta[:used].copy_(self._host_meta[:used], non_blocking=True)
+        self._graphs[size].replay()
+        return self._logits[size][:n]
+
