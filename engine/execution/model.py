@@ -104,6 +104,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.spec, self.window = spec, window
         self.row_tile: int | None = None  # set by DecoderModel.set_row_tile
+        self.fused = None  # engine/execution/triton_ops on CUDA (DecoderModel.use_fused_ops), else the reference
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
@@ -120,7 +121,8 @@ class DecoderLayer(nn.Module):
         """``lora``: the step's LoRA deltas for this layer (engine/execution/lora.py LayerLora), added to each map's output."""
         spec = self.spec
         n = x.shape[0]
-        h = self.input_norm(x)
+        fused = self.fused
+        h = fused.rms_norm(x, self.input_norm.weight, self.input_norm.eps)[0] if fused else self.input_norm(x)
         qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias, self.row_tile)
         if lora is not None:
             lora.add(("q", "k", "v"), h, qkv, self.split)
@@ -130,18 +132,27 @@ class DecoderLayer(nn.Module):
         v = v.reshape(n, spec.num_kv_heads, spec.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if fused:
+            fused.rope_(q, k, cos, sin)  # in place: q and k are views of qkv, or q_norm's new tensors
+        else:
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         o = attn.attend(q, k, v, k_cache, v_cache, self.window).reshape(n, -1)  # [N, Hq * D]
         attended = linear(o, self.o_proj.weight, self.o_proj.bias, self.row_tile)
         if lora is not None:
             lora.add(("o",), o, attended, (spec.hidden_size,))
-        x = x + attended
-        h = self.post_norm(x)
+        if fused:  # the residual add and the norm in one pass
+            h, x = fused.rms_norm(attended, self.post_norm.weight, self.post_norm.eps, add=x)
+        else:
+            x = x + attended
+            h = self.post_norm(x)
         gate_up = linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, self.row_tile)
         if lora is not None:
             lora.add(("gate", "up"), h, gate_up, (spec.intermediate_size,) * 2)
-        gate, up = gate_up.chunk(2, dim=-1)
-        m = F.silu(gate, inplace=True).mul_(up)  # in gate_up's first half: no new [N, I] tensors
+        if fused:
+            m = fused.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            m = F.silu(gate, inplace=True).mul_(up)  # in gate_up's first half: no new [N, I] tensors
         down = linear(m, self.down_proj.weight, self.down_proj.bias, self.row_tile)
         if lora is not None:
             lora.add(("down",), m, down, (spec.hidden_size,))
@@ -181,6 +192,14 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             layer.row_tile = row_tile
 
+    def use_fused_ops(self) -> None:
+        """Every layer's RMSNorm (with the residual add after attention), RoPE and SiLU*mul as one
+        Triton kernel each (engine/execution/triton_ops.py; CUDA, norms' weights in the model's dtype)."""
+        from engine.execution import triton_ops
+
+        for layer in self.layers:
+            layer.fused = triton_ops
+
     def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [max_position, D] in the model's dtype, computed in float32 like transformers."""
         if self._rope_cache is None:
@@ -207,6 +226,8 @@ class DecoderModel(nn.Module):
             x[rows] = embeddings.to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn, kv_cache[i, 0], kv_cache[i, 1], lora.layer(i) if lora is not None else None)
+        if self.layers and self.layers[0].fused:
+            return self.layers[0].fused.rms_norm(x, self.norm.weight, self.norm.eps)[0]
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_transfer import KVMeta, numpy_to_tensor, tensor_to_numpy
 from engine.execution.loader import LoadedModel
+from engine.execution.model import RMSNorm
 from engine.execution.lora import LoraStacks, LoraStep
 from engine.outputs import TokenLogprob
 from engine.request import Sequence
@@ -70,6 +71,11 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
     return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * element
 
 
+def _norms_in(loaded: LoadedModel, dtype: torch.dtype) -> bool:
+    """Whether every RMSNorm weight is in ``dtype`` (the fused kernels' assumption)."""
+    return all(m.weight.dtype == dtype for m in loaded.model.modules() if isinstance(m, RMSNorm))
+
+
 def _check_device_memory(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """On CUDA, refuse a KV pool larger than the device's free memory, saying both."""
     if device.type != "cuda":
@@ -108,6 +114,8 @@ class ModelRunner:
         self.attention = select_backend(config.attention_backend, self.device, loaded.dtype, self.batch_invariant,
                                         group=spec.num_heads // spec.num_kv_heads)
         loaded.model.set_row_tile(BATCH_INVARIANT_ROWS if self.batch_invariant else None)
+        if self.attention.name == "triton_paged" and self.device.type == "cuda" and _norms_in(loaded, loaded.dtype):
+            loaded.model.use_fused_ops()  # Triton is there: RMSNorm, RoPE and SiLU*mul fused too
         # Step inputs, allocated once: [max tokens per step] each, filled from one host array
         # (pinned on CUDA, so that its copy to the device does not wait on a staging copy).
         pinned = self.device.type == "cuda"
