@@ -19,7 +19,7 @@ models are made by transformers on the GPU; nothing is downloaded. It reports:
    over contiguous K/V; GPU time by kernel (torch.profiler) over its prefill and 8 decode steps;
    a decode step's host time (cProfile of 20 steps).
 
-    python benchmarks/gpu.py [--json PATH] [--only NAME]
+    python benchmarks/gpu.py [--json PATH] [--only NAME] [--no-sweep]
 """
 
 from __future__ import annotations
@@ -310,31 +310,61 @@ def handoff(llm: LLMEngine, tokens: int = 512) -> dict:
 
 # 5. Where the time goes ----------------------------------------------------------------------
 
-def attention_kernel(w: Workload) -> dict:
-    """One layer's triton_paged attention over a decode step of the workload (rows scattered over
-    the pool in blocks of 16) against flash SDPA over the same K/V, contiguous: the kernel's own
-    efficiency, and the bandwidth its K/V reads reach."""
+def attention_layer(w: Workload, new_tokens: int, num_seqs: int):
+    """One layer's triton_paged attention over ``num_seqs`` sequences of the workload's shape, each
+    with ``new_tokens`` new tokens after its context, blocks of 16 scattered over the pool: a
+    function that runs it, and flash SDPA's time for the same queries over contiguous K/V."""
     from benchmarks.attention import scattered_step
     from engine.execution.attention.triton_paged import TritonPagedBackend
 
     config = SHAPES[w.shape]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim, context = config["hidden_size"] // heads, w.input_len + w.output_len // 2
-    block = 16
-    num_blocks = w.num_prompts * -(-(context + 1) // block) + 8
-    seqs, slots = scattered_step([(context, 1)] * w.num_prompts, num_blocks, block)
+    head_dim, block = config["hidden_size"] // heads, 16
+    context = w.input_len + w.output_len // 2 if new_tokens == 1 else 0
+    num_blocks = num_seqs * -(-(context + new_tokens) // block) + 8
+    seqs, slots = scattered_step([(context, new_tokens)] * num_seqs, num_blocks, block)
     cache = [torch.randn(num_blocks * block, kv_heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
              for _ in range(2)]
-    q = torch.randn(w.num_prompts, heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
-    k, v = (torch.randn(w.num_prompts, kv_heads, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    rows = num_seqs * new_tokens
+    q = torch.randn(rows, heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(rows, kv_heads, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     step = TritonPagedBackend(heads // kv_heads).prepare(slots.to(DEVICE), seqs, {None}, block, DEVICE)
-    paged = gpu_seconds(lambda: step.attend(q, k, v, *cache, None), 20)
-    kc, vc = (torch.randn(w.num_prompts, kv_heads, context + 1, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    kc, vc = (torch.randn(num_seqs, kv_heads, context + new_tokens, head_dim, device=DEVICE, dtype=torch.bfloat16)
               for _ in range(2))
-    flash = gpu_seconds(lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True), 20)
-    kv_bytes = 2 * kc.numel() * kc.element_size()
-    return {"triton_paged_us": paged * 1e6, "sdpa_contiguous_us": flash * 1e6, "paged_vs_contiguous": flash / paged,
-            "paged_kv_gb_s": kv_bytes / paged / 1e9}
+    qc = q.view(num_seqs, new_tokens, heads, head_dim).transpose(1, 2)
+    flash = gpu_seconds(lambda: F.scaled_dot_product_attention(qc, kc, vc, is_causal=new_tokens > 1,
+                                                               enable_gqa=True), 20)
+    return (lambda: step.attend(q, k, v, *cache, None)), flash, 2 * kc.numel() * kc.element_size()
+
+
+def attention_kernel(w: Workload, sweep: bool = True) -> dict:
+    """triton_paged against flash SDPA over contiguous K/V, one layer: a decode step of the
+    workload (its rows, mid-decode context) and a prefill of 16 of its prompts; then the launch
+    settings swept for each (keys per iteration, warps, stages), best first."""
+    from engine.execution.attention import triton_paged
+
+    result = {}
+    for kind, (new_tokens, num_seqs) in {"decode": (1, w.num_prompts), "prefill": (w.input_len, 16)}.items():
+        run, flash, kv_bytes = attention_layer(w, new_tokens, num_seqs)
+        default = triton_paged.LAUNCH[kind]
+        paged = gpu_seconds(run, 20)
+        result[kind] = {"triton_paged_us": paged * 1e6, "sdpa_contiguous_us": flash * 1e6,
+                        "paged_vs_contiguous": flash / paged, "kv_gb_s": kv_bytes / paged / 1e9,
+                        "launch": default}
+        if not sweep:
+            continue
+        timings = []
+        for block_n in (32, 64, 128):
+            for warps in ((2, 4) if kind == "decode" else (4, 8)):
+                for stages in (1, 2, 3):
+                    triton_paged.LAUNCH[kind] = (block_n, warps, stages)
+                    try:
+                        timings.append((gpu_seconds(run, 10) * 1e6, (block_n, warps, stages)))
+                    except Exception as error:  # out of shared memory, say
+                        timings.append((float("inf"), f"{(block_n, warps, stages)}: {type(error).__name__}"))
+        triton_paged.LAUNCH[kind] = default
+        result[kind]["sweep_us"] = sorted(timings, key=lambda item: item[0])[:6]
+    return result
 
 
 def kernel_profile(llm: LLMEngine, w: Workload) -> str:
@@ -385,6 +415,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--only", help="run the workloads whose name contains this")
+    parser.add_argument("--no-sweep", action="store_true", help="leave out the attention kernel's launch sweep")
     args = parser.parse_args()
     import triton
     import transformers
@@ -427,8 +458,8 @@ def main() -> None:
             llm, w = last
             report["handoff"] = guarded(handoff, llm)
             say("hand-off:", report["handoff"])
-            report["attention_kernel"] = guarded(attention_kernel, w)
-            say("attention kernel, one layer of a decode step:", report["attention_kernel"])
+            report["attention_kernel"] = guarded(attention_kernel, w, not args.no_sweep)
+            say("attention kernel, one layer:", json.dumps(report["attention_kernel"], default=str))
             say(f"GPU time by kernel ({w.name} -> 8):\n{guarded(kernel_profile, llm, w)}")
             say(f"decode step host profile ({w.name}, 20 steps):\n{guarded(decode_profile, llm, w)}")
     report["seconds"] = time.perf_counter() - began

@@ -55,20 +55,18 @@ def _silu_mul(gate_up_ptr, out_ptr, cols, stride_in, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rope(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, stride_table, num_q_heads,
-          HEAD_DIM: tl.constexpr, HALF_P: tl.constexpr):
-    """One program per (token, head of q then of k): [x1, x2] -> [x1 c - x2 s, x2 c + x1 s], each
-    product and sum rounded to the dtype as the reference's are."""
+def _rope(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, stride_table, num_q_heads, num_heads,
+          HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
+    """One program per token, all its heads of q then of k: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s],
+    each product and sum rounded to the dtype as the reference's are."""
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if head < num_q_heads:
-        base = q_ptr + row * stride_q + head * HEAD_DIM
-    else:
-        base = k_ptr + row * stride_k + (head - num_q_heads) * HEAD_DIM
-    half = tl.arange(0, HALF_P)
-    mask = half < HEAD_DIM // 2
-    c = tl.load(cos_ptr + row * stride_table + half, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + row * stride_table + half, mask=mask, other=0.0).to(tl.float32)
+    heads = tl.arange(0, HEADS_P)[:, None]  # [Hp, 1]
+    half = tl.arange(0, HALF_P)[None, :]  # [1, D/2p]
+    base = tl.where(heads < num_q_heads, q_ptr + row * stride_q + heads * HEAD_DIM,
+                    k_ptr + row * stride_k + (heads - num_q_heads) * HEAD_DIM)  # [Hp, 1] pointers
+    mask = (heads < num_heads) & (half < HEAD_DIM // 2)
+    c = tl.load(cos_ptr + row * stride_table + half, mask=half < HEAD_DIM // 2, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + row * stride_table + half, mask=half < HEAD_DIM // 2, other=0.0).to(tl.float32)
     x1 = tl.load(base + half, mask=mask, other=0.0)
     x2 = tl.load(base + HEAD_DIM // 2 + half, mask=mask, other=0.0)
     dtype = x1.dtype
@@ -109,6 +107,8 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """q [N, Hq, D], k [N, Hkv, D] (heads contiguous in a row), rotated in place by cos/sin [N, D]
     (each token's row of the tables; halves duplicated, as transformers' rotate_half expects)."""
     rows, num_q_heads, head_dim = q.shape
+    num_heads = num_q_heads + k.shape[1]
     if rows:
-        _rope[(rows, num_q_heads + k.shape[1])](q, k, cos, sin, q.stride(0), k.stride(0), cos.stride(0), num_q_heads,
-                                                HEAD_DIM=head_dim, HALF_P=triton.next_power_of_2(head_dim // 2))
+        _rope[(rows,)](q, k, cos, sin, q.stride(0), k.stride(0), cos.stride(0), num_q_heads, num_heads,
+                       HEAD_DIM=head_dim, HEADS_P=triton.next_power_of_2(num_heads),
+                       HALF_P=triton.next_power_of_2(head_dim // 2))

@@ -31,7 +31,12 @@ from engine.execution.attention import AttentionSeq
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
-BLOCK_N = 64  # keys per inner iteration, independent of the pool's block size
+# Launch settings per kind of step: (keys per inner iteration, warps, pipeline stages), the best
+# of benchmarks/gpu.py's sweep on an H200 (a 1B Llama's layer, head size 64: decode 151 us against
+# 170 us for (64, 4, 2); prefill 177 against 190; benchmarks/RESULTS.md "GPU"). The keys per
+# iteration are independent of the pool's block size. A prefill tile with heads wider than 64
+# takes at least 8 warps.
+LAUNCH = {"decode": (128, 2, 3), "prefill": (64, 8, 2)}
 # Query rows (tokens x heads of a group) per program: small for decode steps (one token per
 # sequence: the tile is mostly the group's heads), large for prefill chunks (tensor-core tiles).
 DECODE_ROWS = 16
@@ -187,14 +192,16 @@ class TritonStep:
             return out
         group = num_heads // num_kv_heads
         prefill = self.block_q > tile_tokens(group, prefill=False)
+        block_n, warps, stages = LAUNCH["prefill" if prefill else "decode"]
+        warps = max(warps, 8) if prefill and head_dim > 64 else warps
         _paged_attention[(len(self.work), num_kv_heads)](
             out, q, k_cache, v_cache, self.tables, self.seq_info, self.work,
             head_dim ** -0.5 * math.log2(math.e), window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
             self.tables.stride(0), GROUP=group, GROUP_P=_next_power_of_2(group), BLOCK_Q=self.block_q,
-            BLOCK_N=BLOCK_N, HEAD_DIM=head_dim, HEAD_DIM_P=_next_power_of_2(head_dim), BLOCK_SIZE=self.block_size,
+            BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_P=_next_power_of_2(head_dim), BLOCK_SIZE=self.block_size,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_FP32=interpreted(),
-            num_warps=8 if prefill and head_dim > 64 else 4, num_stages=2)
+            num_warps=warps, num_stages=stages)
         return out
 
 
