@@ -23,6 +23,7 @@ from deployments.disaggregation import NO_PLAN, Decision, DisaggregationPolicy
 from deployments.failures import KVLeaseExpired
 from deployments.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.liveness import taken_then_watched, watched
+from deployments.streams import cancel_on_exit
 from deployments.tracing import KVTransfer, RequestTrace
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
@@ -150,7 +151,7 @@ async def _served(call, stall_timeout_s: float, trace: RequestTrace | None, leas
     KVLeaseExpired otherwise; ``on_taken`` then), then the outputs of each batch it sends, in
     order, while it shows signs of life (liveness.py). Its KV fetch and its engine's times go to
     ``trace``: a call that took P's KV decodes, any other prefilled too."""
-    async with aclosing(_cancel_on_exit(call)) as items:
+    async with aclosing(cancel_on_exit(call)) as items:
         try:
             accepted = await asyncio.wait_for(anext(items), lease_s)
         except TimeoutError:
@@ -169,48 +170,3 @@ async def _served(call, stall_timeout_s: float, trace: RequestTrace | None, leas
                 elif trace:
                     trace.record_decode(output)
                 yield output
-
-
-async def _cancel_on_exit(responses) -> AsyncIterator[RequestOutput]:
-    ended = False
-    try:
-        async for output in responses:
-            yield output
-        ended = True
-    finally:
-        if not ended:
-            responses.cancel()
-
-
-async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several streams (the prompts of one completions request) as their outputs arrive:
-    (stream index, output). An error in one stream ends them all; leaving early closes them all."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for output in stream:
-                await queue.put((i, output))
-        except Exception as error:
-            await queue.put((i, error))
-        finally:
-            await queue.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()

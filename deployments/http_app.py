@@ -14,6 +14,7 @@ from deployments.failures import on_unexpected_error
 from deployments.metrics import IngressMetrics
 from dialects import anthropic, auth
 from dialects.errors import APIError, documented, error_response, on_api_error, on_http_error, on_validation_error
+from dialects.openai_serving import SSE
 
 # /openapi.json and /docs are the Ingress's own routes (deployments/operation_routes.py): the schema
 # carries the served model's limits.
@@ -34,8 +35,6 @@ app.add_exception_handler(RequestValidationError, in_route_dialect(on_validation
 app.add_exception_handler(StarletteHTTPException, in_route_dialect(on_http_error))
 app.add_exception_handler(Exception, in_route_dialect(on_unexpected_error))
 
-ENGINE_WAIT_S = 5.0  # the longest any endpoint waits for a deployment's info before a 503
-SSE = "text/event-stream"
 # What a generation route can answer: JSON, or server-sent events when "stream" is true; 400 bad
 # input, 404 a model not served, 408 a timeout before the first token, 413 a body too large,
 # 503 engines not ready or Ray Serve's back-pressure.

@@ -2,7 +2,7 @@
 (docs/serving.md).
 
 A replica that fails while it serves a request (it died, it cannot be reached, the KV it needed is
-lost: ``errors.replica_failed``) does not end the request. The ingress starts it again on a live
+lost: ``failures.replica_failed``) does not end the request. The ingress starts it again on a live
 replica, where Ray Serve routes it:
 
 - nothing has reached the client yet: the request is sent again as it was (prefill retry);
@@ -25,8 +25,8 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
-from deployments.backends import merge
 from deployments.failures import REPLICA_RETRY_AFTER_S, replica_failed, root_cause
+from deployments.streams import indexed
 from dialects.errors import APIError
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
@@ -113,8 +113,8 @@ def _legs(request: GenerationRequest, so_far: list[ChoiceSoFar], migration: int
 async def _outputs(streams: list[AsyncIterator[RequestOutput]], first_within: float | None
                    ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(stream index, output) as they arrive; the first within ``first_within`` seconds if given
-    (TimeoutError otherwise). One stream is read directly: no task or queue on the common path."""
-    outputs = merge(streams) if len(streams) > 1 else _single(streams[0])
+    (TimeoutError otherwise)."""
+    outputs = indexed(streams)
     try:
         if first_within is not None:
             try:
@@ -125,11 +125,3 @@ async def _outputs(streams: list[AsyncIterator[RequestOutput]], first_within: fl
             yield item
     finally:
         await outputs.aclose()
-
-
-async def _single(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    try:
-        async for output in stream:
-            yield 0, output
-    finally:
-        await stream.aclose()

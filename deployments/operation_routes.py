@@ -1,6 +1,6 @@
 """The ingress's operations routes: /health, the model list, the OpenAPI schema and its docs, the
 page at / and the traces it draws, /metrics. A mixin of the Ingress (deployments/ingress.py):
-it reads the Ingress's readiness, model info, adapters, embedder, traces, backend and metrics.
+it reads the Ingress's readiness, engine client, OpenAI routes, embedder, traces, backend and metrics.
 Ray Serve finds these routes through the Ingress's bases.
 """
 
@@ -12,7 +12,8 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from deployments.backends import PDBackend
-from deployments.http_app import ENGINE_WAIT_S, app
+from deployments.engine_client import ENGINE_WAIT_S
+from deployments.http_app import app
 from dialects.errors import APIError, documented
 from dialects.openapi_doc import Served, openapi_schema
 
@@ -30,38 +31,22 @@ class OperationRoutes:
 
     @app.get("/v1/models", responses=documented(503))
     async def models(self):
-        return {"object": "list", "data": await self.model_cards()}
+        return {"object": "list", "data": await self.openai.model_cards()}
 
     @app.get("/v1/models/{model_id}", responses=documented(404, 503))
     async def model(self, model_id: str):
-        for card in await self.model_cards():
+        for card in await self.openai.model_cards():
             if card["id"] == model_id:
                 return card
         raise APIError(404, f"model: {model_id!r} is not served here", "model", "model_not_found")
-
-    async def model_cards(self) -> list[dict]:
-        """OpenAI's model objects: the LLM (with what this server adds), its LoRA adapters (as vLLM
-        lists them: ``parent`` the base model, ``root`` the directory) and the embedder."""
-        info = await self.model_info()
-        cards = [{"id": self.served_model_name(info), "object": "model", "created": 0, "owned_by": "pdserve",
-                  "max_model_len": info.max_model_len, "dtype": info.dtype,
-                  "enable_prefix_caching": info.enable_prefix_caching,
-                  "attention_backend": info.attention_backend, "batch_invariant": info.batch_invariant}]
-        directories = self.args.lora_directories
-        cards += [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "parent": cards[0]["id"],
-                   "root": directories[name]} for name in await self.lora_names()]
-        if self.embedder is not None:
-            cards.append({"id": await self.embedder_name(), "object": "model", "created": 0,
-                          "owned_by": "pdserve"})
-        return cards
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self):
         """The schema with this deployment's limits (without them while the engines are not ready)."""
         if self._openapi is None:
             try:
-                info = await asyncio.wait_for(self.model_info(), ENGINE_WAIT_S)
-                served = Served(self.served_model_name(info), info, list(await self.lora_names()))
+                info = await asyncio.wait_for(self.engines.model_info(), ENGINE_WAIT_S)
+                served = Served(self.engines.settings.served_model_name, info, list(await self.engines.lora_names()))
                 if self.embedder is not None:
                     served.embedding_name, served.embedding_vocab = await asyncio.wait_for(
                         asyncio.gather(self.embedder.info.remote(), self.embedder.vocab_size.remote()),

@@ -101,6 +101,13 @@ def chat_request(body: CountTokensRequest, front: OpenAIFrontend) -> ChatComplet
     return request
 
 
+def count_tokens(body: CountTokensRequest, front: OpenAIFrontend) -> dict:
+    """POST /v1/messages/count_tokens: the templated prompt's length; the chat request is made (and
+    checked) but not started."""
+    (choice,) = front.chat_choices(chat_request(body, front), "count-tokens", 0.0)
+    return {"input_tokens": choice.prompt_tokens}
+
+
 def signature(thinking: str) -> str:
     """A thinking block's signature: a digest of its text (Anthropic's is encrypted; nothing here
     checks it when the block comes back)."""

@@ -42,12 +42,6 @@ class TextBlock(StrictModel):
     cache_control: CacheControl | None = None
     citations: Annotated[Any, only(None, [], description="citations are not offered")] = None
 
-    @model_validator(mode="after")
-    def _no_citations(self):
-        if self.citations not in (None, []):
-            raise ValueError("citations: citations are not offered")
-        return self
-
 
 class ToolUseBlock(StrictModel):
     """A call an earlier assistant turn made."""
@@ -154,8 +148,6 @@ class Thinking(StrictModel):
 
     @model_validator(mode="after")
     def _budget_with_enabled(self):
-        if self.type == "adaptive":
-            raise ValueError(f"type: {UNSUPPORTED['thinking']}")
         if (self.type == "enabled") != (self.budget_tokens is not None):
             raise ValueError("budget_tokens: required with type 'enabled', and only with it")
         return self
@@ -169,12 +161,6 @@ class JsonOutputFormat(StrictModel):
 class OutputConfig(StrictModel):
     format: JsonOutputFormat | None = Field(None, description="structured output: decoded as chat's json_schema")
     effort: Annotated[Any, only(None, description="the served model has no effort control")] = None
-
-    @model_validator(mode="after")
-    def _no_effort(self):
-        if self.effort is not None:
-            raise ValueError("effort: the served model has no effort control")
-        return self
 
 
 class Metadata(StrictModel):
@@ -217,9 +203,6 @@ class CountTokensRequest(StrictModel):
 
     @model_validator(mode="after")
     def _offered(self):
-        for name in ("container", "mcp_servers", "context_management", "diagnostics"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}: {UNSUPPORTED[name]}")
         if self.tool_choice is not None and self.tool_choice.type != "none" and not self.tools:
             raise ValueError("tool_choice: only allowed when tools are given")
         names = [t.name for t in self.tools or []]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+import functools
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, WithJsonSchema, model_validator
 
@@ -43,9 +45,25 @@ def _integral(value):
     return value
 
 
+@dataclass(slots=True)
+class Only(WithJsonSchema):
+    """``only()``'s mark on a field: its accepted values, and why others are refused."""
+
+    values: tuple = ()
+    refusal: str = ""
+
+
+def only(*values, description: str, refusal: str | None = None) -> Only:
+    """A field refused unless its value is one of ``values`` (null, or its "off" value): a 400
+    "<field>: <refusal>" (``refusal`` defaults to ``description``), enforced by every StrictModel.
+    Its schema lists the accepted values, so a schema-driven client never builds a request that is refused."""
+    return Only({"enum": list(values), "description": description}, values=values, refusal=refusal or description)
+
+
 class StrictModel(BaseModel):
     """Unknown fields are refused; types are strict (no "5" for 5, no true for 1), except that
-    an integer may come as 107.0, as JSON Schema's integer allows."""
+    an integer may come as 107.0, as JSON Schema's integer allows. A field marked ``only()`` is
+    refused unless it has one of its accepted values."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -54,8 +72,26 @@ class StrictModel(BaseModel):
     def _json_integers(cls, data):
         return _integral(data)
 
+    @model_validator(mode="after")
+    def _only_accepted(self):
+        for name, rule in _only_fields(type(self)):
+            if not _accepted(getattr(self, name), rule.values):
+                raise ValueError(f"{name}: {rule.refusal}")
+        return self
 
-def only(*values, description: str) -> WithJsonSchema:
-    """The schema of a field whose other values are refused with a 400 that says why: it lists
-    the accepted ones, so a schema-driven client never builds a request that is refused."""
-    return WithJsonSchema({"enum": list(values), "description": description})
+
+def check_stream_options(stream_options: BaseModel | None, stream: bool) -> None:
+    """OpenAI's rule, on chat, completions and responses alike: stream_options needs a stream."""
+    if stream_options is not None and not stream:
+        raise ValueError("stream_options: only allowed when stream is true")
+
+
+@functools.cache
+def _only_fields(model: type[BaseModel]) -> list[tuple[str, Only]]:
+    return [(name, rule) for name, field in model.model_fields.items() for rule in field.metadata
+            if isinstance(rule, Only)]
+
+
+def _accepted(value: Any, values: tuple) -> bool:
+    """``value`` is one of ``values`` by type as well (0 is not False)."""
+    return any(type(value) is type(v) and value == v for v in values)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema,
                       field_validator, model_validator)
 
-from dialects.json_types import Seed, StrictModel, TokenId, only
+from dialects.json_types import Seed, StrictModel, TokenId, check_stream_options, only
 from engine.request import MAX_CHOICES
 from sampling.grammar import Grammar
 from sampling.params import MAX_TOP_LOGPROBS
@@ -46,7 +46,8 @@ ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
 class StreamOptions(StrictModel):
     include_usage: StrictBool = False
-    include_obfuscation: Annotated[StrictBool, only(False, description="no obfuscation padding is added")] = False
+    include_obfuscation: Annotated[StrictBool, only(False, description="no obfuscation padding is added",
+                                                    refusal="this server adds no obfuscation; send false")] = False
 
 
 MAX_GRAMMAR_CHOICES = 256  # strings in structured_outputs.choice
@@ -110,7 +111,8 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: StrictBool = Field(
         False, description="vLLM's extension: true keeps the matched stop string at the end of the text")
     spaces_between_special_tokens: Annotated[StrictBool, only(True, description=(
-        "fast tokenizers always decode without added spaces; the value that matches them"))] = True
+        "fast tokenizers always decode without added spaces; the value that matches them"), refusal=(
+        "this server decodes with a fast tokenizer, which adds no spaces between special tokens; send true"))] = True
     structured_outputs: StructuredOutputs | None = Field(
         None, description="vLLM's extension: a regex or a choice list the output must match")
     prompt_lookup: StrictBool | None = Field(
@@ -136,9 +138,6 @@ class SamplingFields(StrictModel):
     def _sampling_fields(self):
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens: must be >= 1, or -1 for as many as fit")
-        if not self.spaces_between_special_tokens:
-            raise ValueError("spaces_between_special_tokens: this server decodes with a fast tokenizer, which adds "
-                             "no spaces between special tokens; send true")
         if self.min_tokens:
             limit = self.output_limit()
             if limit is not None and self.min_tokens > limit:
@@ -149,10 +148,7 @@ class SamplingFields(StrictModel):
             if self.has_grammar():
                 raise ValueError("min_tokens: cannot be combined with a grammar (response_format, structured_outputs "
                                  "or tools): once the grammar is complete only EOS may follow")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
-        if self.stream_options is not None and self.stream_options.include_obfuscation:
-            raise ValueError("stream_options.include_obfuscation: this server adds no obfuscation; send false")
+        check_stream_options(self.stream_options, self.stream)
         return self
 
 
@@ -344,11 +340,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="absent: 'auto' with tools. 'auto' needs a chat template in Hermes' tool-call syntax")
     parallel_tool_calls: StrictBool | None = Field(None, description="false: at most one call; absent: true")
-    function_call: Annotated[StrictStr | dict | None, only("none", None, description="deprecated; only 'none'")] = None
+    function_call: Annotated[StrictStr | dict | None, only("none", None, description="deprecated; only 'none'", refusal=(
+        "deprecated by OpenAI; send tool_choice (only 'none' is accepted here)"))] = None
     response_format: ResponseFormat | None = None
-    modalities: Annotated[list[Literal["text", "audio"]] | None, only(["text"], None, description="text only")] = None
+    modalities: Annotated[list[Literal["text", "audio"]] | None, only(["text"], None, description="text only",
+                                                                      refusal="only ['text'] is served by this model")
+                          ] = None
     metadata: dict[str, StrictStr] | None = Field(None, description="accepted; nothing is stored")
-    store: Annotated[StrictBool | None, only(False, None, description="nothing is stored")] = None
+    store: Annotated[StrictBool | None, only(False, None, description="nothing is stored", refusal=(
+        "this server keeps no completions; send false or leave it out"))] = None
     service_tier: ServiceTier | None = Field(None, description="accepted; one tier here")
     prompt_cache_key: StrictStr | None = Field(None, description="accepted; prefix caching is by content")
     safety_identifier: StrictStr | None = Field(None, description="accepted; identifies the caller")
@@ -383,15 +383,6 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs: needs logprobs to be true")
         if self.max_tokens == 0:
             raise ValueError("max_tokens: must be > 0 for chat")
-        for name, why in UNSUPPORTED_CHAT_FIELDS.items():
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}: {why}")
-        if self.function_call not in (None, "none"):
-            raise ValueError("function_call: deprecated by OpenAI; send tool_choice (only 'none' is accepted here)")
-        if self.modalities is not None and self.modalities != ["text"]:
-            raise ValueError("modalities: only ['text'] is served by this model")
-        if self.store:
-            raise ValueError("store: this server keeps no completions; send false or leave it out")
         self._check_tools()
         return self
 
@@ -463,13 +454,12 @@ class EmbeddingRequest(StrictModel):
     instruction: StrictStr | None = Field(None, description="prepended to every text input")
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: little-endian float32 bytes, as OpenAI's clients ask by default")
-    dimensions: Annotated[StrictInt | None, only(None, description="the model has no shortened embeddings")] = None
+    dimensions: Annotated[StrictInt | None, only(None, description="the model has no shortened embeddings", refusal=(
+        "all-MiniLM-L6-v2 was not trained for shortened embeddings; leave it out"))] = None
     user: StrictStr | None = Field(None, description="accepted; identifies the caller, changes nothing")
 
     @model_validator(mode="after")
     def _embedding_fields(self):
-        if self.dimensions is not None:
-            raise ValueError("dimensions: all-MiniLM-L6-v2 was not trained for shortened embeddings; leave it out")
         if self.instruction is not None and self.token_inputs():
             raise ValueError("instruction: applies to text input only, not to token ids")
         return self

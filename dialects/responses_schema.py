@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator,
                       model_validator)
 
-from dialects.json_types import Seed, StrictModel, only
+from dialects.json_types import Seed, StrictModel, check_stream_options, only
 from dialects.openai_schema import MAX_TOOLS, MODEL_NAME_PATTERN, NAME_PATTERN, ServiceTier
 from dialects.through_chat import located
 
@@ -95,7 +95,8 @@ class ReasoningItem(StrictModel):
     content: list[ReasoningText] | None = None
     id: StrictStr | None = None
     status: StrictStr | None = None
-    encrypted_content: Annotated[Any, only(None, description="no reasoning is encrypted here")] = None
+    encrypted_content: Annotated[Any, only(None, description="no reasoning is encrypted here", refusal=(
+        "no reasoning is encrypted here; send the item as it was returned"))] = None
 
     @field_validator("summary", mode="before")
     @classmethod
@@ -104,12 +105,6 @@ class ReasoningItem(StrictModel):
             raise ValueError("a reasoning summary is never written here; send the item as it was returned "
                              "(summary [])")
         return summary
-
-    @model_validator(mode="after")
-    def _not_encrypted(self):
-        if self.encrypted_content is not None:
-            raise ValueError("encrypted_content: no reasoning is encrypted here; send the item as it was returned")
-        return self
 
     def text(self) -> str:
         return "".join(p.text for p in self.content or [])
@@ -186,12 +181,6 @@ class TextConfig(StrictModel):
     format: TextFormat | None = None
     verbosity: Annotated[Any, only(None, description="the served model has no verbosity control")] = None
 
-    @model_validator(mode="after")
-    def _no_verbosity(self):
-        if self.verbosity is not None:
-            raise ValueError("verbosity: the served model has no verbosity control")
-        return self
-
 
 class ReasoningConfig(StrictModel):
     """``reasoning``: ``effort`` reaches the chat template (dialects/responses.py says how, or
@@ -206,16 +195,10 @@ class ReasoningConfig(StrictModel):
                                                               "the model sees")
     mode: Literal["standard"] | None = Field(None, description="one execution mode here")
 
-    @model_validator(mode="after")
-    def _no_summary(self):
-        for name in ("summary", "generate_summary"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}: {NO_SUMMARY}")
-        return self
-
 
 class StreamOptions(StrictModel):
-    include_obfuscation: Annotated[StrictBool, only(False, description="no obfuscation padding is added")] = False
+    include_obfuscation: Annotated[StrictBool, only(False, description="no obfuscation padding is added",
+                                                    refusal="this server adds no obfuscation; send false")] = False
 
 
 class ResponsesRequest(StrictModel):
@@ -235,10 +218,12 @@ class ResponsesRequest(StrictModel):
     stream_options: StreamOptions | None = None
     store: StrictBool = Field(True, description="kept by the ingress replica, bounded in count and age")
     previous_response_id: StrictStr | None = None
-    include: Annotated[list[StrictStr] | None, only([], None, description="nothing extra can be included")] = None
+    include: Annotated[list[StrictStr] | None, only([], None, description="nothing extra can be included",
+                                                    refusal="nothing extra can be included here")] = None
     truncation: Literal["disabled"] | None = Field(None, description="'auto' is refused: a prompt that does not "
                                                                      "fit is a 400")
-    top_logprobs: Annotated[StrictInt | None, only(0, None, description="logprobs are not offered here")] = None
+    top_logprobs: Annotated[StrictInt | None, only(0, None, description="logprobs are not offered here", refusal=(
+        "logprobs are not offered on /v1/responses; use /v1/chat/completions"))] = None
     metadata: dict[str, StrictStr] | None = Field(None, description="kept with the response, echoed")
     user: StrictStr | None = None
     safety_identifier: StrictStr | None = None
@@ -297,18 +282,7 @@ class ResponsesRequest(StrictModel):
 
     @model_validator(mode="after")
     def _offered(self):
-        for name, why in UNSUPPORTED.items():
-            value = getattr(self, name)
-            if value is not None and not (name == "background" and value is False):
-                raise ValueError(f"{name}: {why}")
-        if self.include:
-            raise ValueError(f"include: {self.include[0]!r}: nothing extra can be included here")
-        if self.top_logprobs:
-            raise ValueError("top_logprobs: logprobs are not offered on /v1/responses; use /v1/chat/completions")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
-        if self.stream_options is not None and self.stream_options.include_obfuscation:
-            raise ValueError("stream_options.include_obfuscation: this server adds no obfuscation; send false")
+        check_stream_options(self.stream_options, self.stream)
         return self
 
     def items(self) -> list[InputItem]:
