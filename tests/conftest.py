@@ -22,11 +22,29 @@ if not torch.cuda.is_available():
 from tests.models import ARCHITECTURES, make_random_model  # noqa: E402
 
 
-def pytest_collection_modifyitems(items: list) -> None:
+def pytest_collection_modifyitems(config, items: list) -> None:
     """Modules that start a Ray of their own (marked ``own_ray``) run after every other: each stops
     the suite's shared Ray (tests/serving.py), and a module after it would start that Ray again and
-    deploy the kept applications again (~60 s each time on two cores). Otherwise the order stays."""
+    deploy the kept applications again (~60 s each time on two cores). Otherwise the order stays.
+    Tests marked ``cuda`` need a GPU: without one they are left out, and the run's summary says
+    how many and why (pytest_terminal_summary)."""
     items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)
+    if not torch.cuda.is_available():
+        left_out = [item for item in items if item.get_closest_marker("cuda") is not None]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item.get_closest_marker("cuda") is None]
+            config.stash[CUDA_LEFT_OUT] = len(left_out)
+
+
+CUDA_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    left_out = config.stash.get(CUDA_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(f"{left_out} tests marked cuda left out: this machine has no CUDA device (they "
+                                    "run where one is; the kernels' source ran here under Triton's interpreter)")
 
 
 @pytest.fixture(scope="session")
