@@ -79,7 +79,9 @@ bench: install
 	.venv-vllm/bin/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec
 	touch $@
 
-bench-vllm: .venv-vllm/.installed
+# ... and `vllm bench serve` itself against the served apps (not part of make test: it needs that venv).
+bench-vllm: install .venv-vllm/.installed
+	$(PY) -m pytest -q tests/vllm_bench_serve_tool.py
 
 clean:
 	rm -rf $(VENV) .venv-vllm

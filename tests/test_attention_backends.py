@@ -119,8 +119,9 @@ def test_each_instruction_set_build_equals_the_reference(monkeypatch):
             monkeypatch.setattr(cpu_paged, "extension", lambda kernel=kernel: kernel)
             outs[name], _, _ = attend(cpu_paged.PagedBackend(all_rows=True), seqs, slots, q, k, v, caches, None,
                                       block_size)
+            where = f"{name} build, {dtype}, head {head_dim}"
             torch.testing.assert_close(outs[name].float(), expected.float(), atol=tolerance, rtol=tolerance,
-                                       msg=lambda m, name=name: f"{name} build, {dtype}, head {head_dim}: {m}")
+                                       msg=lambda m, where=where: f"{where}: {m}")
         for name, out in outs.items():
             assert torch.equal(out, outs[names[0]]), (name, dtype, head_dim)
 
@@ -182,7 +183,7 @@ def test_float32_greedy_on_the_kernel_equals_transformers(model_dirs, llama_head
     prompt_ids = prompts()
     for arch, model_dir in {**model_dirs, "llama-head128": llama_head128_dir}.items():
         reference = [tokens for tokens, _ in hf_greedy_with_top(model_dir, prompt_ids, torch.float32)]
-        blocks = dict(block_size=16, num_blocks=12) if arch == "llama-head128" else dict(num_blocks=40)
+        blocks = {"block_size": 16, "num_blocks": 12} if arch == "llama-head128" else {"num_blocks": 40}
         llm = engine(model_dir, dtype="float32", attention_backend="cpu_paged", **blocks)
         assert llm.runner.attention.name == "cpu_paged"
         results = llm.generate(requests(prompt_ids))
