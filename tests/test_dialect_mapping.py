@@ -2,7 +2,7 @@
 
 One table (``ROWS``) says, for each route and each control field a user can send, which part of
 the GenerationRequest it sets and to what; ``DEFAULTS`` says what each route sends when the field
-is absent. Each route is driven through the public entry point its dialect gives the ingress: the
+is absent. Each route is driven through the public entry point its dialect's serving module calls: the
 parsed body (as FastAPI parses it) into the engine's request(s). A schema field that neither
 table nor ``NOT_CONTROLS`` names fails ``test_every_field_of_every_route_is_in_the_table``: a new
 field or a new dialect adds rows here. Served behaviour of these fields is in the dialects' own
@@ -10,7 +10,7 @@ tests (test_api_*.py); this file is where a field that lands on the wrong contro
 is caught.
 
 ``deadline`` is the request's absolute deadline: the arrival (``ARRIVAL``) plus the timeout the
-dialect's request carries, as the ingress adds them."""
+dialect's request carries, as dialects/openai_serving.py and mindie_serving.py add them."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def fronts() -> dict[str, OpenAIFrontend]:
 def infer_token(body: dict, front: OpenAIFrontend) -> list[GenerationRequest]:
     parsed = mindie.InferTokenRequest.model_validate(body)
     p = parsed.parameters
-    lora = ADAPTER if p.lora_name == ADAPTER.name else None  # the ingress resolves lora_name (infer_token_lora)
+    lora = ADAPTER if p.lora_name == ADAPTER.name else None  # MindIEServing.lora resolves lora_name
     return [mindie.to_generation_request(parsed, "r", ARRIVAL + p.timeout, LIMITS, lora)]
 
 
