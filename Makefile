@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	$(PY) -m pip check
 	# The cpu_paged attention kernel, compiled for this machine's CPU (engine/execution/attention/).
 	$(PY) -m engine.execution.attention.cpu_paged
+	# ... and in each instruction set this CPU runs, which tests/test_attention_backends.py compares
+	# with the reference (a minute each on 2 cores, here rather than in the suite).
+	$(PY) benchmarks/kernel_isa_paths.py --build-only
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct (Apache-2.0), the real model `make serve` answers with: the GGUF that the
@@ -79,7 +82,9 @@ bench: install
 	.venv-vllm/bin/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec
 	touch $@
 
-bench-vllm: .venv-vllm/.installed
+# ... and `vllm bench serve` itself against the served apps (not part of make test: it needs that venv).
+bench-vllm: install .venv-vllm/.installed
+	$(PY) -m pytest -q tests/vllm_bench_serve_tool.py
 
 clean:
 	rm -rf $(VENV) .venv-vllm

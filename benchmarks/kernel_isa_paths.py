@@ -8,7 +8,7 @@ the same bits on a grid of shapes (dtypes, head dims, block sizes, GQA ratios, d
 prefill chunk, 5 and 40 sequences), and times a decode step of 32 sequences at 2,048 tokens on each (min of repeats).
 Exits non-zero if two builds differ.
 
-    python benchmarks/kernel_isa_paths.py [--repeats 10]
+    python benchmarks/kernel_isa_paths.py [--repeats 10] [--build-only]
 """
 
 from __future__ import annotations
@@ -67,10 +67,14 @@ def attend(kernel, args) -> torch.Tensor:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--build-only", action="store_true",
+                        help="only build them, into torch's extension cache (make install; the suite loads them)")
     args = parser.parse_args()
     runs = cpu_flags()
     kernels = {name: build(name, flags) for name, flags in BUILDS.items() if NEEDS.get(name, "") in runs | {""}}
     print(f"builds for this CPU: {', '.join(kernels)} (a build whose instruction set it lacks is left out)")
+    if args.build_only:
+        return 0
     reference = next(iter(kernels))
     torch.manual_seed(0)
     grid = list(itertools.product((torch.float32, torch.bfloat16, torch.float16), (64, 128, 40, 24), (16, 8),

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.models import ARCHITECTURES, make_random_model  # noqa: E402
+from tests.models import ARCHITECTURES, llama_head_128, make_random_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items: list) -> None:
@@ -52,6 +52,12 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny random model directory per supported architecture."""
     root = tmp_path_factory.mktemp("models")
     return {arch: make_random_model(root / arch, arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def llama_head128_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with 128-wide heads (tests/models.py llama_head_128)."""
+    return make_random_model(tmp_path_factory.mktemp("models") / "llama-head128", "llama", make_config=llama_head_128)
 
 
 @pytest.fixture(scope="session", autouse=True)

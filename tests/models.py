@@ -23,6 +23,11 @@ ARCHITECTURES = {
 }
 
 
+def llama_head_128(vocab: int) -> LlamaConfig:
+    """Llama 3's attention shape at tiny width: heads of 128 (wider than the hidden size), GQA 4."""
+    return LlamaConfig(vocab_size=vocab, **{**COMMON, "num_key_value_heads": 1}, head_dim=128)
+
+
 def make_random_model(directory: Path, architecture: str, seed: int = 0, vocab_size: int | None = None,
                       make_config=None) -> Path:
     """A random model of ``architecture`` with tiny-llama's tokenizer, saved to ``directory``.

@@ -93,6 +93,7 @@ def test_the_page_is_open_but_a_trace_needs_the_key(base_url):
     for page in (base_url, f"{base_url}/"):  # the bare prefix redirects to the page, without the key
         served = httpx.get(page, timeout=60, follow_redirects=True)
         assert served.status_code == 200 and "text/html" in served.headers["content-type"], page
+        assert "<html" in served.text.lower() and "/v1/chat/completions" in served.text, page  # the page itself
     refused = httpx.get(f"{base_url}/traces/chatcmpl-none", timeout=60)
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     keyed = httpx.get(f"{base_url}/traces/chatcmpl-none", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)

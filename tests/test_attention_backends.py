@@ -1,10 +1,14 @@
-"""The cpu_paged attention kernel against the torch_sdpa reference, and the engine on it against transformers."""
+"""The cpu_paged attention kernel against the torch_sdpa reference (at the head sizes and GQA
+ratios real models use, and in each instruction-set build this CPU runs), and the engine on it
+against transformers."""
 
 import pytest
 import torch
 
+from benchmarks import kernel_isa_paths
 from benchmarks.attention import scattered_step
 from engine.execution.attention import AttentionSeq, cpu_paged, select_backend, torch_sdpa
+from engine.execution.loader import cpu_flags
 from tests.test_engine_parity import engine, hf_greedy_with_top, prompts, requests
 
 CPU = torch.device("cpu")
@@ -46,6 +50,81 @@ def test_cpu_paged_equals_the_reference(dtype, tolerance, heads, window, kind, b
     got, k_new, v_new = attend(cpu_paged.backend(all_rows), seqs, slots, q, k, v, caches, window, block_size)
     assert torch.equal(k_new, k_ref) and torch.equal(v_new, v_ref)  # new tokens written to their slots
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def random_step(kind: str, block_size: int, head_dim: int, heads: tuple[int, int], dtype: torch.dtype, seed: int):
+    """STEPS[kind] over a pool just large enough for it: (seqs, slots, q, k, v, caches)."""
+    num_heads, num_kv_heads = heads
+    num_blocks = sum(-(-(start + n) // block_size) for start, n in STEPS[kind]) + 8
+    seqs, slots = scattered_step(STEPS[kind], num_blocks, block_size)
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(len(slots), h, head_dim, generator=generator).to(dtype)
+               for h in (num_heads, num_kv_heads, num_kv_heads))
+    caches = [torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+              for _ in range(2)]
+    return seqs, slots, q, k, v, caches
+
+
+# Llama 3 and Qwen3 use 128, Phi-3 and Mistral's small ones 96, some 80 or 256; 64 and 128 at
+# block 16 take the kernel's compiled-size path, the rest the path with sizes read at run time.
+REAL_HEAD_SIZES = (64, 80, 96, 128, 256)
+# Every head size with every GQA ratio at the default block size, and with the smallest and the
+# largest block the kernel takes at one ratio; float32, and bfloat16 at each head size.
+SHAPES = ([(torch.float32, d, group, 16) for d in REAL_HEAD_SIZES for group in (1, 4, 8)]
+          + [(torch.float32, d, 4, block) for d in REAL_HEAD_SIZES for block in (1, cpu_paged.MAX_BLOCK_SIZE)]
+          + [(torch.bfloat16, d, 4, 16) for d in REAL_HEAD_SIZES])
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype,head_dim,group,block_size", [
+    pytest.param(*shape, id=f"{str(shape[0]).removeprefix('torch.')}-d{shape[1]}-gqa{shape[2]}-block{shape[3]}")
+    for shape in SHAPES])
+def test_cpu_paged_at_the_head_sizes_models_use(dtype, head_dim, group, block_size):
+    """Every row on the kernel (batch-invariant mode): decodes, whole prompts, later chunks and
+    drafts of one step, with and without a sliding window, equal to the reference."""
+    seqs, slots, q, k, v, caches = random_step("mixed", block_size, head_dim, (2 * group, 2), dtype, seed=3)
+    for window in (None, 33):
+        expected, k_ref, v_ref = attend(torch_sdpa.BACKEND, seqs, slots, q, k, v, caches, window, block_size)
+        got, k_new, v_new = attend(cpu_paged.backend(all_rows=True), seqs, slots, q, k, v, caches, window,
+                                   block_size)
+        assert torch.equal(k_new, k_ref) and torch.equal(v_new, v_ref)
+        torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def runnable_builds() -> list[str]:
+    """The instruction-set builds of the kernel (benchmarks/kernel_isa_paths.py) this CPU runs,
+    its own (-march=native) first."""
+    flags = cpu_flags()
+    return [name for name in kernel_isa_paths.BUILDS if kernel_isa_paths.NEEDS.get(name, "") in flags | {""}]
+
+
+@pytest.mark.slow
+def test_each_instruction_set_build_equals_the_reference(monkeypatch):
+    """The kernel transposes keys with AVX-512 or AVX2 register transposes, or a plain loop,
+    chosen at compile time; the suite's other tests run this CPU's own. Here every build this
+    CPU can run (its own is the installed one; `make install` compiles the others into torch's
+    extension cache, a minute each on 2 cores, and they are loaded from it) is compared with the
+    reference, and the builds with each other: the transposes move data only, so the bits are
+    the same."""
+    names = runnable_builds()
+    kernels = {names[0]: cpu_paged.extension()}
+    kernels |= {name: kernel_isa_paths.build(name, kernel_isa_paths.BUILDS[name]) for name in names[1:]}
+    assert "plain" in kernels and len(kernels) >= 2 or not {"avx2", "avx512f"} & cpu_flags()
+    shapes = [(torch.float32, 2e-6, 128, 16, (8, 2)), (torch.float32, 2e-6, 80, 16, (9, 3)),
+              (torch.bfloat16, 2e-2, 64, 16, (4, 4)), (torch.float16, 4e-3, 96, 8, (8, 1))]
+    for dtype, tolerance, head_dim, block_size, heads in shapes:
+        seqs, slots, q, k, v, caches = random_step("mixed", block_size, head_dim, heads, dtype, seed=4)
+        expected, _, _ = attend(torch_sdpa.BACKEND, seqs, slots, q, k, v, caches, None, block_size)
+        outs = {}
+        for name, kernel in kernels.items():
+            monkeypatch.setattr(cpu_paged, "extension", lambda kernel=kernel: kernel)
+            outs[name], _, _ = attend(cpu_paged.PagedBackend(all_rows=True), seqs, slots, q, k, v, caches, None,
+                                      block_size)
+            where = f"{name} build, {dtype}, head {head_dim}"
+            torch.testing.assert_close(outs[name].float(), expected.float(), atol=tolerance, rtol=tolerance,
+                                       msg=lambda m, where=where: f"{where}: {m}")
+        for name, out in outs.items():
+            assert torch.equal(out, outs[names[0]]), (name, dtype, head_dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -98,13 +177,15 @@ def test_backend_choice():
         select_backend("flash", CPU, torch.float32)
 
 
-def test_float32_greedy_on_the_kernel_equals_transformers(model_dirs):
+def test_float32_greedy_on_the_kernel_equals_transformers(model_dirs, llama_head128_dir):
     """Every architecture's shape (GQA, Qwen3's head_dim, Mistral's window) through the kernel, in
-    chunks of 32 tokens over blocks of 4, with preemption: tokens equal to transformers' in float32."""
+    chunks of 32 tokens over blocks of 4, with preemption, and Llama 3's head size (128) over blocks
+    of 16 (the kernel's compiled 16 x 128 path): tokens equal to transformers' in float32."""
     prompt_ids = prompts()
-    for arch, model_dir in model_dirs.items():
+    for arch, model_dir in {**model_dirs, "llama-head128": llama_head128_dir}.items():
         reference = [tokens for tokens, _ in hf_greedy_with_top(model_dir, prompt_ids, torch.float32)]
-        llm = engine(model_dir, dtype="float32", attention_backend="cpu_paged", num_blocks=40)
+        blocks = {"block_size": 16, "num_blocks": 12} if arch == "llama-head128" else {"num_blocks": 40}
+        llm = engine(model_dir, dtype="float32", attention_backend="cpu_paged", **blocks)
         assert llm.runner.attention.name == "cpu_paged"
         results = llm.generate(requests(prompt_ids))
         assert [results[f"r{i}"].output_token_ids for i in range(len(prompt_ids))] == reference, arch

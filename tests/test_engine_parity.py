@@ -121,10 +121,13 @@ def test_bfloat16_greedy_is_close_to_transformers(model_dirs, arch):
     assert exact >= len(reference) // 2  # close, and mostly equal: a real bf16 run, not noise
 
 
-def test_float32_greedy_equals_transformers(model_dirs):
+@pytest.mark.parametrize("model", ["llama", "llama-head128"])
+def test_float32_greedy_equals_transformers(model_dirs, llama_head128_dir, model):
+    """Also at Llama 3's head size (128, GQA 4), where the attention kernel has its own compiled path."""
+    model_dir = llama_head128_dir if model == "llama-head128" else model_dirs[model]
     prompt_ids = prompts()
-    reference = [tokens for tokens, _ in hf_greedy_with_top(model_dirs["llama"], prompt_ids, torch.float32)]
-    results = engine(model_dirs["llama"], dtype="float32").generate(requests(prompt_ids))
+    reference = [tokens for tokens, _ in hf_greedy_with_top(model_dir, prompt_ids, torch.float32)]
+    results = engine(model_dir, dtype="float32").generate(requests(prompt_ids))
     assert [results[f"r{i}"].output_token_ids for i in range(len(PROMPT_LENGTHS))] == reference
 
 

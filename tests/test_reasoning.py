@@ -17,7 +17,7 @@ from dialects.openai_stream import StreamWriter
 from dialects.reasoning import THINK_END, THINK_START, ReasoningParser, ReasoningStream
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import STOP, RequestOutput
+from engine.outputs import LENGTH, STOP, RequestOutput
 from tests.models import make_random_model
 
 TEMPLATE = (Path(__file__).parent / "qwen3_chat_template.jinja").read_text()
@@ -91,15 +91,24 @@ def test_the_split_gives_back_the_raw_text_whole_and_streamed(front):
         assert "".join(d.get("content") or "" for d in deltas) == message["content"], cut
 
 
+# Output that thinks, then answers: what the random model writes when a regex makes it.
+THINKS_THEN_ANSWERS = r"<think>\n[a-z]{2,5} [a-z]{2,5}\n</think>\n\n[a-z]{2,5}\."
+
+
 def test_generated_text_splits_back_into_itself(engine, front):
-    choices = [chat(front, seed=seed, temperature=1.0)[0] for seed in range(1, 6)]
-    outputs = engine.generate([c.request for c in choices])
-    for choice in choices:
-        choice.outputs = [outputs[choice.request.request_id]]
+    """The random model never opens <think> by itself: here a regex makes it think, then answer
+    (thinking switched off for that request, so the regex covers the whole output), seeded. Each
+    output, given to a choice that thinks, splits into reasoning and content that join back into it."""
+    for seed in range(1, 6):
+        forced = chat(front, seed=seed, max_tokens=32, structured_outputs={"regex": THINKS_THEN_ANSWERS},
+                      chat_template_kwargs={"enable_thinking": False})[0]
+        choice = chat(front, seed=seed)[0]  # thinking on: the qwen3 parser splits its output
+        choice.outputs = [engine.generate([forced.request])[forced.request.request_id]]
+        assert choice.final.finish_reason != LENGTH, choice.final.text  # the regex completed
         message, _ = front.chat_message(choice)
-        reasoning = message.get("reasoning_content")
-        rebuilt = message["content"] if reasoning is None else THINK_START + reasoning + THINK_END + message["content"]
-        assert rebuilt == choice.final.text
+        reasoning, content = message.get("reasoning_content"), message["content"]
+        assert reasoning and content and THINK_START not in content and THINK_END not in reasoning
+        assert THINK_START + reasoning + THINK_END + content == choice.final.text
 
 
 def test_a_deepseek_r1_output_thinks_from_its_first_token():

@@ -129,9 +129,15 @@ def expected_rows(recorded: dict[str, str]) -> list[tuple]:
             for name in PHASES]
 
 
-def test_the_page_is_served_without_the_key():
-    """With an API key the page still loads (it asks for the key itself), at / and at the bare route prefix."""
-    assert is_open("/") and is_open("")  # "": /pd, the route prefix without its slash
+def test_the_page_is_served_at_the_prefix_with_and_without_its_slash(colocated_url):
+    """GET / answers the page itself, and so does the bare route prefix (redirected), without a
+    key: auth leaves both open (with a key set, tests/test_api_key.py fetches it the same way)."""
+    assert is_open("/") and is_open("")  # "": /co, the route prefix without its slash
+    page = (Path(__file__).resolve().parents[1] / "deployments" / "web" / "index.html").read_text()
+    for url in (colocated_url, f"{colocated_url}/"):
+        served = httpx.get(url, timeout=60, follow_redirects=True)
+        assert served.status_code == 200 and served.headers["content-type"].startswith("text/html"), url
+        assert served.text == page, url
 
 
 def test_pd_page_streams_the_answer_and_draws_p_the_handoff_and_d(pd_url, browser):
