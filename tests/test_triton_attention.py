@@ -114,15 +114,18 @@ def test_backend_choice_on_each_device(monkeypatch):
 
 @pytest.mark.slow
 def test_float32_greedy_on_the_kernels_equals_transformers(model_dirs):
-    """Llama's shape (GQA) and Mistral's (a sliding window) through the kernels, in chunks of 32
+    """Llama's shape (GQA) and Mistral's (a sliding window) through the CUDA path's kernels (the
+    attention and the fused RMSNorm, RoPE in place on qkv's views, SiLU*mul), in chunks of 32
     tokens over blocks of 4, with preemption: tokens equal to transformers' in float32. (Two of the
-    architectures: the interpreter is slow; the kernel tests above cover the other head sizes.)"""
+    architectures: the interpreter is slow; the kernel tests cover the other head sizes.)"""
     prompt_ids = prompts()
     for arch in ("llama", "mistral"):
         model_dir = model_dirs[arch]
         reference = [tokens for tokens, _ in hf_greedy_with_top(model_dir, prompt_ids, torch.float32)]
         llm = engine(model_dir, dtype="float32", device=DEVICE.type, attention_backend="triton_paged", num_blocks=40)
         assert llm.runner.attention.name == "triton_paged"
+        llm.loaded.model.use_fused_ops()  # what the runner does on CUDA
+        assert all(layer.fused is not None for layer in llm.loaded.model.layers)
         results = llm.generate(requests(prompt_ids))
         assert [results[f"r{i}"].output_token_ids for i in range(len(prompt_ids))] == reference, arch
         assert llm.scheduler.num_preemptions > 0 or arch != "llama"

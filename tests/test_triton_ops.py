@@ -76,17 +76,3 @@ def test_rope_in_place_on_views_of_qkv_equals_the_reference(dtype, heads, head_d
     torch.testing.assert_close(k, expected_k, **TOLERANCES[dtype])
     assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)  # v untouched
 
-
-@pytest.mark.slow
-def test_float32_greedy_with_the_fused_kernels_equals_transformers(model_dirs):
-    """The kernels in the model (RoPE in place on qkv's views, the residual add fused into the norm,
-    GQA) with triton_paged, in chunks over blocks of 4: tokens equal to transformers' in float32."""
-    from tests.test_engine_parity import engine, hf_greedy_with_top, prompts, requests
-
-    prompt_ids = prompts()[1:4]  # three prompts: the interpreter runs a program per row and head
-    reference = [tokens for tokens, _ in hf_greedy_with_top(model_dirs["llama"], prompt_ids, torch.float32)]
-    llm = engine(model_dirs["llama"], dtype="float32", device=DEVICE.type, attention_backend="triton_paged")
-    llm.loaded.model.use_fused_ops()  # what the runner does on CUDA
-    assert all(layer.fused is triton_ops for layer in llm.loaded.model.layers)
-    results = llm.generate(requests(prompt_ids))
-    assert [results[f"r{i}"].output_token_ids for i in range(len(prompt_ids))] == reference
