@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -r requirements.lock
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -e .
 	$(PY) -m pip check
-	# The cpu_paged attention kernel, compiled for this machine's CPU (engine/execution/attention/).
+	# The cpu_paged attention kernel and the fused ops, compiled for this machine's CPU (engine/execution/).
 	$(PY) -m engine.execution.attention.cpu_paged
+	$(PY) -m engine.execution.fused_ops
 	# ... and in each instruction set this CPU runs, which tests/test_attention_backends.py compares
 	# with the reference (a minute each on 2 cores, here rather than in the suite).
 	$(PY) benchmarks/kernel_isa_paths.py --build-only
@@ -107,7 +108,7 @@ $(MUTMUT): | $(if $(wildcard $(STAMP)),,$(STAMP))
 	$(VENV)/bin/python -c "import site; print(site.getsitepackages()[0])" > \
 	  "$$(build/venv-mutants/bin/python -c 'import site; print(site.getsitepackages()[0])')/pdserve-venv.pth"
 
-# A selected test that builds an engine builds the cpu_paged kernel for its copy, into a cache of
+# A selected test that builds an engine builds the C++ kernels (cpu_paged, fused ops) for its copy, into a cache of
 # the copy's own: torch rebuilds an extension whose source path changed, so sharing ~/.cache with
 # the tree would rebuild it in turn for the copy and for every test run in the tree (minutes each
 # on 2 cores). One torch thread per test process: two mutants run at once on the 2 cores.
