@@ -17,12 +17,13 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -r requirements.lock
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -e .
 	$(PY) -m pip check
-	# The cpu_paged attention kernel and the fused ops, compiled for this machine's CPU (engine/execution/).
+	# The cpu_paged attention kernel, compiled for this machine's CPU (engine/execution/attention/).
 	$(PY) -m engine.execution.attention.cpu_paged
-	$(PY) -m engine.execution.fused_ops
 	# ... and in each instruction set this CPU runs, which tests/test_attention_backends.py compares
 	# with the reference (a minute each on 2 cores, here rather than in the suite).
 	$(PY) benchmarks/kernel_isa_paths.py --build-only
+	# The fused elementwise ops (engine/execution/fused_ops.py), likewise for this CPU.
+	$(PY) -m engine.execution.fused_ops
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct (Apache-2.0), the real model `make serve` answers with: the GGUF that the
