@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	# ... and in each instruction set this CPU runs, which tests/test_attention_backends.py compares
 	# with the reference (a minute each on 2 cores, here rather than in the suite).
 	$(PY) benchmarks/kernel_isa_paths.py --build-only
+	# The fused elementwise ops (engine/execution/fused_ops.py), likewise for this CPU.
+	$(PY) -m engine.execution.fused_ops
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct (Apache-2.0), the real model `make serve` answers with: the GGUF that the
@@ -107,7 +109,7 @@ $(MUTMUT): | $(if $(wildcard $(STAMP)),,$(STAMP))
 	$(VENV)/bin/python -c "import site; print(site.getsitepackages()[0])" > \
 	  "$$(build/venv-mutants/bin/python -c 'import site; print(site.getsitepackages()[0])')/pdserve-venv.pth"
 
-# A selected test that builds an engine builds the cpu_paged kernel for its copy, into a cache of
+# A selected test that builds an engine builds the C++ kernels (cpu_paged, fused ops) for its copy, into a cache of
 # the copy's own: torch rebuilds an extension whose source path changed, so sharing ~/.cache with
 # the tree would rebuild it in turn for the copy and for every test run in the tree (minutes each
 # on 2 cores). One torch thread per test process: two mutants run at once on the 2 cores.

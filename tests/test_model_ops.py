@@ -1,10 +1,12 @@
-"""The decoder's RMSNorm and RoPE give transformers' bits in float32 (the fp32 parity promise
+"""The torch references of the decoder's RMSNorm and RoPE give transformers' bits in float32 (the kernels of
+engine/execution/fused_ops.py are compared with them in tests/test_fused_ops.py; the fp32 parity promise
 rests on them): the same operations in the same order, however they are written here."""
 
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from engine.execution.model import RMSNorm, _rope
+from engine.execution.fused_ops import rope_reference
+from engine.execution.model import RMSNorm
 
 
 def test_rms_norm_is_transformers_bit_for_bit():
@@ -29,4 +31,4 @@ def test_rope_is_transformers_bit_for_bit_on_a_strided_query():
     cos, sin = emb.cos(), emb.sin()  # [N, D]
     # transformers: [B, H, S, D] with cos/sin [B, S, D]
     expected, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[None], sin[None])
-    assert torch.equal(_rope(q, cos, sin), expected[0].transpose(0, 1))
+    assert torch.equal(rope_reference(q, cos, sin), expected[0].transpose(0, 1))

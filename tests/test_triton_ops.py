@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.execution import triton_ops
-from engine.execution.model import RMSNorm, _rope
+from engine.execution.fused_ops import rope_reference as _rope
+from engine.execution.model import RMSNorm
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 # bfloat16: 2 ** -7 relative is one unit in the last place; the interpreter's truncation takes up to 3.

@@ -15,6 +15,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine.execution.attention import StepAttention
+from engine.execution.fused_ops import add_rms_norm, rms_norm_reference, rope, silu_mul
 
 
 @dataclass
@@ -90,13 +91,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """transformers' formula, operation for operation (tests/test_model_ops.py: the same bits);
-        the last product lands in the normalised tensor, a new one."""
-        x32 = x.to(torch.float32)
-        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        if normed.dtype != self.weight.dtype:  # the product takes the wider dtype, as transformers' does
-            return self.weight * normed
-        return normed.mul_(self.weight)
+        """transformers' formula, operation for operation (fused_ops.rms_norm_reference)."""
+        return rms_norm_reference(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm) in one pass on the CPU (fused_ops.add_rms_norm); x [N, H] is the
+        residual stream, which the CPU kernel updates in place."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -116,13 +117,21 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.split = (q_size, kv_size, kv_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: StepAttention,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, lora=None) -> torch.Tensor:
-        """``lora``: the step's LoRA deltas for this layer (engine/execution/lora.py LayerLora), added to each map's output."""
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn: StepAttention, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                lora=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [N, H] the residual stream, ``pending`` [N, H] the previous layer's output not yet
+        added to it (None for the first layer, and always on the Triton path, which adds it at
+        the layer's end): off Triton the add is fused with this layer's first norm
+        (engine/execution/fused_ops.py). Returns (the stream, the next layer's ``pending``).
+        ``lora``: the step's LoRA deltas for this layer (engine/execution/lora.py LayerLora), added to each map's output."""
         spec = self.spec
         n = x.shape[0]
         fused = self.fused
-        h = fused.rms_norm(x, self.input_norm.weight, self.input_norm.eps)[0] if fused else self.input_norm(x)
+        if fused:
+            h = fused.rms_norm(x, self.input_norm.weight, self.input_norm.eps)[0]
+        else:
+            x, h = self.input_norm.add_and_norm(x, pending)
         qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias, self.row_tile)
         if lora is not None:
             lora.add(("q", "k", "v"), h, qkv, self.split)
@@ -135,7 +144,7 @@ class DecoderLayer(nn.Module):
         if fused:
             fused.rope_(q, k, cos, sin)  # in place: q and k are views of qkv, or q_norm's new tensors
         else:
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = rope(q, k, cos, sin)
         o = attn.attend(q, k, v, k_cache, v_cache, self.window).reshape(n, -1)  # [N, Hq * D]
         attended = linear(o, self.o_proj.weight, self.o_proj.bias, self.row_tile)
         if lora is not None:
@@ -143,36 +152,15 @@ class DecoderLayer(nn.Module):
         if fused:  # the residual add and the norm in one pass
             h, x = fused.rms_norm(attended, self.post_norm.weight, self.post_norm.eps, add=x)
         else:
-            x = x + attended
-            h = self.post_norm(x)
+            x, h = self.post_norm.add_and_norm(x, attended)
         gate_up = linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, self.row_tile)
         if lora is not None:
             lora.add(("gate", "up"), h, gate_up, (spec.intermediate_size,) * 2)
-        if fused:
-            m = fused.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            m = F.silu(gate, inplace=True).mul_(up)  # in gate_up's first half: no new [N, I] tensors
+        m = fused.silu_mul(gate_up) if fused else silu_mul(gate_up)  # in gate_up's first half: no new [N, I] tensors
         down = linear(m, self.down_proj.weight, self.down_proj.bias, self.row_tile)
         if lora is not None:
             lora.add(("down",), m, down, (spec.hidden_size,))
-        return x + down
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, H, D]; cos/sin [N, D] (halves duplicated, as transformers' rotate_half expects).
-
-    transformers' ``x * cos + rotate_half(x) * sin`` half by half, without building rotate_half(x):
-    x1 * c - x2 * s and x2 * c + x1 * s are the same roundings in the same order (negation is
-    exact), so the same bits, with two half-size temporaries instead of four full ones."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]  # [N, H, D/2]
-    c, s = cos[:, None, :half], sin[:, None, :half]  # [N, 1, D/2]: both halves of the tables are equal
-    out = torch.empty_like(x)
-    out1, out2 = out[..., :half], out[..., half:]
-    torch.mul(x1, c, out=out1).sub_(x2 * s)
-    torch.mul(x2, c, out=out2).add_(x1 * s)
-    return out
+        return (x + down, None) if fused else (x, down)
 
 
 class DecoderModel(nn.Module):
@@ -224,11 +212,13 @@ class DecoderModel(nn.Module):
         if embedding_rows is not None:
             rows, embeddings = embedding_rows
             x[rows] = embeddings.to(x.dtype)
+        pending = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn, kv_cache[i, 0], kv_cache[i, 1], lora.layer(i) if lora is not None else None)
+            x, pending = layer(x, pending, cos, sin, attn, kv_cache[i, 0], kv_cache[i, 1],
+                               lora.layer(i) if lora is not None else None)
         if self.layers and self.layers[0].fused:
             return self.layers[0].fused.rms_norm(x, self.norm.weight, self.norm.eps)[0]
-        return self.norm(x)
+        return self.norm.add_and_norm(x, pending)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> logits [R, V], contiguous (the sampler reads rows)."""
