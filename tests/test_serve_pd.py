@@ -478,8 +478,8 @@ TIMING_OUT = {  # each dialect's request that runs past its 1 s deadline: D is h
     "chat": ("v1/chat/completions", {"model": "tiny-llama", "messages": CHAT_MESSAGES, "ignore_eos": True,
                                      "timeout": 1}),
     "messages": ("v1/messages", {"model": "tiny-llama", "messages": CHAT_MESSAGES, "max_tokens": 1000,
-                                 "temperature": 0, "timeout": 1}),
-    "responses": ("v1/responses", {"model": "tiny-llama", "input": "Count on.", "temperature": 0, "timeout": 1}),
+                                 "temperature": 0.0, "timeout": 1}),
+    "responses": ("v1/responses", {"model": "tiny-llama", "input": "Count on.", "temperature": 0.0, "timeout": 1}),
 }
 
 
