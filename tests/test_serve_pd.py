@@ -483,6 +483,9 @@ TIMING_OUT = {  # each dialect's request that runs past its 1 s deadline: D is h
 }
 
 
+LIMIT_FIELD = {"responses": "max_output_tokens"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dialect", ["chat", "messages", "responses"])
 def test_a_stream_whose_deadline_passes_ends_with_the_dialects_error_event(base_url, dialect):
@@ -490,12 +493,17 @@ def test_a_stream_whose_deadline_passes_ends_with_the_dialects_error_event(base_
     still from the first event until past the deadline; the stream then ends in an error event,
     never in a normal ending, and nothing is held on P or D."""
     path, body = TIMING_OUT[dialect]
-    with httpx.stream("POST", f"{base_url}/pd/{path}", json={**body, "stream": True}, timeout=120) as response:
+    # The route warmed up first (the ingress's first chat request loads the tokenizer), and 3 s to
+    # the first token: the deadline is meant to pass after it, while D is held still.
+    httpx.post(f"{base_url}/pd/{path}", json={**body, "timeout": 600, LIMIT_FIELD.get(dialect, "max_tokens"): 1},
+               timeout=120).raise_for_status()
+    with httpx.stream("POST", f"{base_url}/pd/{path}", json={**body, "stream": True, "timeout": 3},
+                      timeout=120) as response:
         assert response.status_code == 200
         lines = (line for line in response.iter_lines() if line.startswith("data: "))
         next(lines)
         with stopped("DecodeServer"):
-            time.sleep(2)  # not a bound on a result: it puts the deadline in the past while D cannot step
+            time.sleep(4)  # not a bound on a result: it puts the deadline in the past while D cannot step
         events = [line[len("data: "):] for line in lines]
     if dialect == "chat":
         assert events[-1] == "[DONE]"
