@@ -26,6 +26,9 @@ class AppArgs(BaseModel):
     prefill_model: str | None = Field(None, description="P's model, if named apart; must be the same model")
     decode_model: str | None = Field(None, description="D's model, if named apart; must be the same model")
     served_model_name: str | None = Field(None, description="the name clients use; default: the model's")
+    model_aliases: list[str] = Field(default_factory=list, description="other names a request's model may give for "
+                                     "the base model (e.g. gpt-3.5-turbo, as the seeds' examples send); answers "
+                                     "name served_model_name")
     max_iter_times: int = Field(1024, gt=0, description="server cap on generated tokens per request")
     dtype: str = Field("auto", description="one of " + ", ".join(DTYPES) +
                        "; auto: bfloat16 where the hardware computes it natively, else float32")

@@ -127,7 +127,8 @@ class ServeEngineClient:
             raise client_error(error) from None
         if first.finished and first.finish_reason == TIMEOUT and not first.new_token_ids:
             await stream.aclose()
-            raise APIError(408, "the request's timeout passed before its first token", "timeout", "timeout")
+            raise APIError(408, "request timed out: the request's timeout passed before its first token", "timeout",
+                           "timeout")
         return first, stream, trace
 
     async def lora_names(self) -> dict[str, LoraRef]:

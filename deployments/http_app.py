@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.failures import on_unexpected_error
 from deployments.metrics import IngressMetrics
-from dialects import anthropic, auth
+from dialects import anthropic, auth, mindie
 from dialects.errors import APIError, documented, error_response, on_api_error, on_http_error, on_validation_error
 from dialects.openai_serving import SSE
 
@@ -23,10 +23,13 @@ app = FastAPI(title="pdserve", description="LLM serving with prefill/decode disa
 
 
 def in_route_dialect(handler):
-    """An error handler whose answers on Anthropic's routes take Anthropic's shape."""
+    """An error handler whose answers on Anthropic's routes take Anthropic's shape, and on MindIE's
+    carry MindIE's ``err_msg`` as well."""
     async def handle(request: Request, error: Exception) -> JSONResponse:
         response = await handler(request, error)
-        return anthropic.from_openai_error(response) if anthropic.is_route(request.url.path) else response
+        if anthropic.is_route(request.url.path):
+            return anthropic.from_openai_error(response)
+        return mindie.with_err_msg(response) if mindie.is_route(request.url.path) else response
     return handle
 
 
@@ -36,7 +39,7 @@ app.add_exception_handler(StarletteHTTPException, in_route_dialect(on_http_error
 app.add_exception_handler(Exception, in_route_dialect(on_unexpected_error))
 
 # What a generation route can answer: JSON, or server-sent events when "stream" is true; 400 bad
-# input, 404 a model not served, 408 a timeout before the first token, 413 a body too large,
+# input, 404 a model not served, 408 a timeout (docs/api.md), 413 a body too large,
 # 503 engines not ready or Ray Serve's back-pressure.
 GENERATION = {200: {"content": {"application/json": {}, SSE: {}}},
               **documented(400, 404, 408, 413, 503)}

@@ -45,7 +45,8 @@ def served_settings(args: AppArgs, pd: bool, serves_lora: bool) -> ServedSetting
     part of ``model`` ("tiny-llama", "Qwen3-0.6B")."""
     return ServedSettings(args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1],
                           args.finish_reasons, args.max_logits_floats, args.max_beam_width, args.max_draft_tokens,
-                          args.max_lora_rank, args.lora_directories, serves_lora, 1 if pd else 0)
+                          args.max_lora_rank, args.lora_directories, serves_lora, 1 if pd else 0,
+                          tuple(args.model_aliases))
 
 
 def origin(http: Request, dialect: str, priority: int) -> Origin:

@@ -29,6 +29,7 @@ class ServedSettings:
     lora_directories: dict[str, str]  # served adapter name -> its directory
     serves_lora: bool  # enable_lora: adapters by name, and MindIE's per-task ones
     prefill_made_tokens: int  # tokens P makes before D's max_iter_times counts: 1 in PD (the first), 0 colocated
+    model_aliases: tuple[str, ...] = ()  # other names of the base model a request may give
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
+import json
+import logging
 from typing import Annotated, Literal
 
 import numpy as np
+from fastapi.responses import JSONResponse
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from dialects.json_types import Seed, StrictModel, TokenId, sse_event
@@ -24,6 +27,10 @@ from sampling import SamplingParams
 from sampling.params import MAX_LENGTH_PENALTY, MAX_TOP_LOGPROBS
 
 MAX_TOKEN_ID = 1024 * 1024  # the document's bound; the vocabulary is checked as well
+# seeds/000 warns near the seed's maximum without saying where "near" begins: here, from where a
+# seed no longer fits a signed 64-bit integer (the half of the range other tools cannot take).
+SEED_WARNING_FROM = 2**63
+logger = logging.getLogger(__name__)
 UINT32_MAX = 2_147_483_647
 TokenSequences = list[Annotated[list[TokenId], Field(min_length=1)]]
 
@@ -62,7 +69,10 @@ class InferParameters(StrictModel):
     stop_words: TokenSequences = Field(default_factory=list, description="token-id sequences that end the output")
     bad_words: TokenSequences = Field(default_factory=list, description="token-id sequences never produced")
     embedding_bias: list[StrictFloat] | None = Field(None, description="one bias per vocabulary entry")
-    end_id: StrictInt | None = Field(None, ge=0, description="replaces the model's EOS id")
+    end_id: StrictInt = Field(-1, ge=-1, description="the id that ends the output; -1 (TensorRT-LLM's default): "
+                                                     "the model's EOS ids")
+    is_need_logits: StrictBool = Field(False, description="the operator's filtered logits (logitsTopKPSelect): "
+                                                          "not returned here, true is refused")
     return_log_probs: StrictBool = False
     top_log_probs: StrictInt = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token")
     ignore_eos: StrictBool = False
@@ -120,11 +130,19 @@ class ServedLimits:
     max_draft_tokens: int  # AppArgs.max_draft_tokens
 
 
+def warn_if_seed_near_max(seed: int | None) -> None:
+    """seeds/000: a seed near the maximum draws a WARNING and works all the same."""
+    if seed is not None and seed >= SEED_WARNING_FROM:
+        logger.warning("parameters.seed: %d is near the maximum (2^64 - 1); it is used as it is, and a seed "
+                       "below 2^63 avoids this warning", seed)
+
+
 def to_generation_request(body: InferTokenRequest, request_id: str, deadline: float,
                           limits: ServedLimits, lora: LoraRef | None = None) -> GenerationRequest:
     """Raises ValueError naming the field for what only the served model can check. ``lora``:
     the adapter the request's LoRA fields resolved to (``lora_fields``, then the ingress)."""
     p = body.parameters
+    warn_if_seed_near_max(p.seed)
     vocab_size = limits.vocab_size
     check_logits_size(p, len(body.input_id), limits)
     check_beam_search(body, limits)
@@ -144,7 +162,10 @@ def to_generation_request(body: InferTokenRequest, request_id: str, deadline: fl
     for name, sequences in (("stop_words", p.stop_words), ("bad_words", p.bad_words)):
         if any(not 0 <= t < vocab_size for seq in sequences for t in seq):
             raise ValueError(f"parameters.{name}: token ids must be inside the vocabulary [0, {vocab_size})")
-    if p.end_id is not None and p.end_id >= vocab_size:
+    if p.is_need_logits:
+        raise ValueError("parameters.is_need_logits: the sampling operator's filtered logits (logitsTopKPSelect) "
+                         "are not returned by this server; return_generation_logits gives each token's raw logits")
+    if p.end_id >= vocab_size:
         raise ValueError(f"parameters.end_id: must be inside the vocabulary [0, {vocab_size})")
     beams = p.beam_width > 1
     params = SamplingParams(
@@ -155,7 +176,7 @@ def to_generation_request(body: InferTokenRequest, request_id: str, deadline: fl
         frequency_penalty=p.frequency_penalty, no_repeat_ngram_size=p.no_repeat_ngram_size,
         bad_words_ids=p.bad_words, stop_token_ids=p.stop_words, logit_bias=logit_bias, seed=p.seed,
         logprobs=p.top_log_probs if p.return_log_probs and not beams else None, ignore_eos=p.ignore_eos,
-        eos_token_id=p.end_id, return_context_logits=p.return_context_logits,
+        eos_token_id=None if p.end_id == -1 else p.end_id, return_context_logits=p.return_context_logits,
         return_generation_logits=p.return_generation_logits, beam_width=p.beam_width, length_penalty=p.length_penalty,
         early_stopping={1: True, 0: False}.get(p.early_stopping, p.early_stopping))
     return GenerationRequest(request_id, body.input_id, params, priority=p.priority, deadline=deadline,
@@ -293,7 +314,15 @@ def details(outputs: list[RequestOutput], p: InferParameters, pad_id: int | None
         out["generation_logits"] = encode_floats(np.concatenate(rows)[None] if rows else np.zeros((1, 0, 0)))
     if final.beams is not None:
         out.update(beam_details(final.beams, p, pad_id))
+    elif asks_beam_outputs(p):  # TensorRT-LLM's outputs for its one beam
+        out.update({"output_ids": [final.output_token_ids], "sequence_length": [len(final.output_token_ids)]})
     return out
+
+
+def asks_beam_outputs(p: InferParameters) -> bool:
+    """A request that names ``beam_width`` (1 included) speaks TensorRT-LLM's InferenceRequest and
+    gets its outputs: output_ids [beam_width][tokens] and sequence_length [beam_width]."""
+    return "beam_width" in p.model_fields_set
 
 
 def beam_details(beams: list, p: InferParameters, pad_id: int) -> dict:
@@ -315,7 +344,7 @@ def encode_floats(array: np.ndarray) -> dict:
 
 def with_details(p: InferParameters) -> bool:
     """``details`` is in the answer when asked for, and whenever logits or beams are (they live in it)."""
-    return p.details or p.return_context_logits or p.return_generation_logits or p.beam_width > 1
+    return p.details or p.return_context_logits or p.return_generation_logits or asks_beam_outputs(p)
 
 
 def text_response(outputs: list[RequestOutput], body: InferTokenRequest, pad_id: int) -> dict:
@@ -329,12 +358,14 @@ def text_response(outputs: list[RequestOutput], body: InferTokenRequest, pad_id:
 
 
 def stream_event(sent: list[RequestOutput], body: InferTokenRequest, first: bool, elapsed_ms: float) -> str:
-    """One SSE event per token (``sent[-1]``'s); the last also carries generated_text and details."""
+    """One SSE event per token (``sent[-1]``'s); the last also carries generated_text and details,
+    and its token's text is null as in seeds/000's example (generated_text holds the whole text)."""
     output = sent[-1]
     logprob = output.logprobs[0] if output.logprobs else None
+    text = None if output.finished else output.new_text
     event = {"prefill_time": round(elapsed_ms, 2) if first else None,
              "decode_time": None if first else round(elapsed_ms, 2),
-             "token": _token(output.new_token_ids[0], output.new_text, logprob) if output.new_token_ids else None}
+             "token": _token(output.new_token_ids[0], text, logprob) if output.new_token_ids else None}
     if output.finished:
         event["generated_text"] = output.text
         event["details"] = details(sent, body.parameters)  # a stream has no beams (refused): nothing to pad
@@ -349,6 +380,21 @@ def error_event(sent: list[RequestOutput], err_msg: str) -> str:
              "details": {"finish_reason": "stop_sequence", "generated_tokens": sum(len(o.new_token_ids) for o in sent),
                          "seed": sent[-1].seed, "err_msg": err_msg}}
     return sse_event(event)
+
+
+def is_route(path: str) -> bool:
+    return path.endswith("/infer_token")
+
+
+def with_err_msg(response: JSONResponse) -> JSONResponse:
+    """An error response (OpenAI's error object, as every route's) with MindIE's form of an error
+    beside it: an empty output, finish_reason stop_sequence and ``err_msg`` (seeds/000: "请求执行中出错,
+    响应输出为空,err_msg非空"; the same for a request that fails its checks)."""
+    body = json.loads(response.body)
+    body.update({"generated_text": "", "details": {"finish_reason": "stop_sequence", "generated_tokens": 0,
+                                                   "err_msg": body["error"]["message"]}})
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(body, status_code=response.status_code, headers=headers)
 
 
 def _token(token_id: int, text: str | None, logprob) -> dict:

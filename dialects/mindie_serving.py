@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from dialects import mindie
 from dialects.engine_client import EngineClient, Generation, Origin
-from dialects.openai_serving import SSE, as_api_error
+from dialects.openai_serving import SSE, as_api_error, raise_if_timed_out
 from engine.execution.lora import LoraRef, from_trtllm
 
 
@@ -40,6 +40,7 @@ class MindIEServing:
             outputs = [output async for _, output in generation]
         finally:
             await generation.abort()  # on a cancelled request, cancels the engines' call at once
+        raise_if_timed_out(outputs[-1])
         pad_id = body.parameters.pad_id if body.parameters.pad_id is not None else info.pad_token_id
         return mindie.text_response(outputs, body, pad_id)
 

@@ -65,10 +65,12 @@ class Choice:
 class OpenAIFrontend:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, served_model_name: str, vocab_size: int,
                  max_model_len: int, max_iter_times: int, finish_reasons: str = "openai",
-                 adapters: dict[str, LoraRef] | None = None) -> None:
-        """``adapters``: the LoRA adapters served by name; ``model`` picks one."""
+                 adapters: dict[str, LoraRef] | None = None, aliases: list[str] = ()) -> None:
+        """``adapters``: the LoRA adapters served by name; ``model`` picks one. ``aliases``: other
+        names of the base model (AppArgs.model_aliases)."""
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
+        self.aliases = set(aliases)
         self.adapters = adapters or {}
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -93,7 +95,7 @@ class OpenAIFrontend:
 
     def check_model(self, name: str | None) -> LoraRef | None:
         """The adapter ``model`` names, None for the base model; a 404 for a name not served."""
-        if name is None or name == self.served_model_name:
+        if name is None or name == self.served_model_name or name in self.aliases:
             return None
         if name in self.adapters:
             return self.adapters[name]
@@ -266,9 +268,11 @@ class OpenAIFrontend:
             if token_id >= self.vocab_size:
                 raise APIError(400, f"stop_token_ids.{j}: token id {token_id} is outside the vocabulary "
                                     f"[0, {self.vocab_size})", f"stop_token_ids.{j}", "invalid_value")
+        greedy_by_top_p = body.top_p == 0.0  # Databricks: top_p 0 keeps the most likely token only
         return SamplingParams(
-            max_new_tokens=max_new_tokens or limit or self.max_iter_times, temperature=body.temperature,
-            top_p=body.top_p, top_k=max(body.top_k or 0, 0), min_p=body.min_p,
+            max_new_tokens=max_new_tokens or limit or self.max_iter_times,
+            temperature=0.0 if greedy_by_top_p else body.temperature,
+            top_p=1.0 if greedy_by_top_p else body.top_p, top_k=max(body.top_k or 0, 0), min_p=body.min_p,
             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop_list(), logprobs=logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,

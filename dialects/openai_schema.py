@@ -81,7 +81,7 @@ class SamplingFields(StrictModel):
     max_tokens: StrictInt | None = Field(
         None, ge=0, description="(0, max_iter_times]; absent: max_iter_times. 0 only on completions with echo")
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0, description="[0, 2]; 0 is greedy")
-    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    top_p: StrictFloat = Field(1.0, ge=0.0, le=1.0, description="[0, 1]; 0 is greedy, as temperature 0 (Databricks)")
     top_k: StrictInt | None = Field(None, ge=-1, description="absent, 0 or -1 (vLLM's 'off'): no top-k")
     presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)

@@ -20,7 +20,7 @@ from dialects.errors import APIError, from_value_error
 from dialects.openai_api import Choice, OpenAIFrontend, now_seconds
 from dialects.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from dialects.openai_stream import StreamWriter
-from engine.outputs import TIMEOUT
+from engine.outputs import TIMEOUT, RequestOutput
 
 SSE = "text/event-stream"
 logger = logging.getLogger("ray.serve")  # Serve's log: its lines carry the request id
@@ -31,15 +31,24 @@ def choice_position(choices: list[Choice], stream: int, index: int) -> int:
     return stream * choices[0].request.n + index
 
 
+def raise_if_timed_out(output: RequestOutput) -> None:
+    """The timeout rule once the first token is out (docs/api.md): an answer whose deadline passes
+    ends in the dialect's error (a 408, or a stream's error event), not in a shorter answer."""
+    if output.finished and output.finish_reason == TIMEOUT:
+        raise APIError(408, "request timed out: the request's timeout passed before it finished", "timeout",
+                       "timeout")
+
+
 async def collect_choices(generation: Generation, choices: list[Choice], fail_on_timeout: bool) -> None:
-    """Every output into its choice."""
+    """Every output into its choice; a passed deadline is a 408 (unless ``fail_on_timeout`` is off:
+    Databricks' error_behavior "truncate")."""
     try:
         async for i, output in generation:
+            if fail_on_timeout:
+                raise_if_timed_out(output)
             choices[choice_position(choices, i, output.index)].outputs.append(output)
     finally:
         await generation.abort()
-    if fail_on_timeout and any(c.final.finish_reason == TIMEOUT for c in choices):
-        raise APIError(408, "the request's timeout passed before it finished", "timeout", "timeout")
 
 
 def as_api_error(error: Exception) -> APIError:
@@ -55,11 +64,14 @@ def as_api_error(error: Exception) -> APIError:
 
 
 async def events(generation: Generation, choices: list[Choice], writer,
-                 on_error: Callable[[APIError], str]) -> AsyncIterator[str]:
+                 on_error: Callable[[APIError], str], timeout_is_error: bool = True) -> AsyncIterator[str]:
     """A dialect's stream: ``writer`` turns each output into its events; a failure after the
-    start ends it with ``on_error``'s events."""
+    start, a passed deadline among them (unless ``timeout_is_error`` is off: Databricks'
+    error_behavior "truncate"), ends it with ``on_error``'s events."""
     try:
         async for i, output in generation:
+            if timeout_is_error:
+                raise_if_timed_out(output)
             position = choice_position(choices, i, output.index)
             choices[position].outputs.append(output)
             if event := writer.write(position, output):
@@ -94,7 +106,8 @@ class OpenAIServing:
             info, settings = await self.client.model_info(), self.client.settings
             self._frontend = OpenAIFrontend(await self.client.tokenizer(), settings.served_model_name,
                                             info.vocab_size, info.max_model_len, info.max_iter_times,
-                                            settings.finish_reasons, await self.client.lora_names())
+                                            settings.finish_reasons, await self.client.lora_names(),
+                                            settings.model_aliases)
         return self._frontend
 
     async def generate(self, body: ChatCompletionRequest | CompletionRequest, origin: Origin, chat: bool):
@@ -115,7 +128,8 @@ class OpenAIServing:
         writer = StreamWriter(front, response_id, created, choices, chat, "" if chat else body.suffix,
                               not chat and body.logprobs is not None,
                               body.stream_options is not None and body.stream_options.include_usage)
-        return StreamingResponse(events(generation, choices, writer, openai_error_events), media_type=SSE)
+        return StreamingResponse(events(generation, choices, writer, openai_error_events,
+                                        timeout_is_error=chat or body.error_behavior == "error"), media_type=SSE)
 
     async def through_chat(self, exchange, body, origin: Origin):
         """Start the chat request a dialect made (errors before any byte), then return the
@@ -152,7 +166,8 @@ class OpenAIServing:
         cards = [{"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "pdserve",
                   "max_model_len": info.max_model_len, "dtype": info.dtype,
                   "enable_prefix_caching": info.enable_prefix_caching,
-                  "attention_backend": info.attention_backend, "batch_invariant": info.batch_invariant}]
+                  "attention_backend": info.attention_backend, "batch_invariant": info.batch_invariant,
+                  "sampler_backend": info.sampler_backend}]
         cards += [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "parent": cards[0]["id"],
                    "root": settings.lora_directories[name]} for name in await self.client.lora_names()]
         if (embedding_model := await self.client.embedding_model()) is not None:

@@ -23,3 +23,4 @@ class ModelInfo:
     hidden_size: int  # a p-tuning table's row length
     attention_backend: str  # engine/execution/attention/: the backend the engine runs
     batch_invariant: bool  # each request's output independent of its batch and chunking (docs/sampling.md)
+    sampler_backend: str = "native"  # sampling/sampler.py: "ascend" (the NPU operator) or "native"

@@ -1,11 +1,13 @@
-"""Exponential noise keyed by (seed, step, token id), for the exponential-race sample.
+"""Exponential noise keyed by (seed, step, index), for the exponential-race sample.
 
-The draw for token v at generation step t of a request with seed s is a pure function of
-(s, t, v): a counter-based hash computed with torch integer ops. So a request's samples do
-not depend on the other rows of the batch, on preemption and recomputation, on which
-candidates a backend looked at, or on whether prefill and decode ran in different
-processes; and the noise for a whole batch is one vectorised computation, no Python loop
-and no per-request ``torch.Generator``.
+The draw at index j for generation step t of a request with seed s is a pure function of
+(s, t, j): a counter-based hash computed with torch integer ops. The index is the candidate's
+position in the row the race runs over, as the operator reads its q (seeds/003:
+``probs / (q + eps)`` over the sorted, truncated candidates): the j-th largest kept token when
+top-k or top-p sorted the row, token j when neither did. So a request's samples do not depend
+on the other rows of the batch, on preemption and recomputation, on the backend, or on whether
+prefill and decode ran in different processes; and the noise for a whole batch is one
+vectorised computation, no Python loop and no per-request ``torch.Generator``.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ def split_seed(seed: int) -> tuple[int, int]:
 
 def exponential_noise(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor,
                       token_ids: torch.Tensor) -> torch.Tensor:
-    """Exp(1) draws q for each (row, candidate token).
+    """Exp(1) draws q for each (row, index).
 
-    seed_lo, seed_hi, step: [R] int64; token_ids: [R, C] or [C] int64 (a shared vocabulary
-    range). Returns float32 [R, C] in (0, 17.4]: a 24-bit uniform u in (0, 1), q = -log(u).
+    seed_lo, seed_hi, step: [R] int64; token_ids: [R, C] or [C] int64 indices (candidate
+    positions, or token ids where the race runs over the whole row). Returns float32 [R, C] in (0, 17.4]: a 24-bit uniform u in (0, 1), q = -log(u).
     """
     row_key = _mix32(_mix32(seed_hi ^ _GOLDEN) ^ seed_lo)  # [R]
     row_key = _mix32(row_key ^ (step & _MASK32))  # [R]

@@ -5,17 +5,20 @@ grammar mask (tokens a row's grammar forbids get -inf; sampling/grammar.py) -> p
 (sampling/processors.py) -> temperature -> logprobs (from this distribution,
 after penalties and temperature and before truncation, as OpenAI reports them) -> greedy
 rows take the argmax -> min-p (before top-k/top-p, as vLLM does) -> top-k -> top-p ->
-exponential race with noise keyed by (seed, step, token) (sampling/noise.py). A row that
+exponential race with noise keyed by (seed, step, candidate position) (sampling/noise.py). A row that
 verifies a draft with the draft's probabilities takes the speculative-sampling rule instead
 of the race (sampling/speculative.py).
 
 The backend is chosen once, in ``__init__``: Ascend's fused operator when the logits
-live on an NPU, else the native torch reference (CPU, CUDA).
+live on an NPU and the operator answers there, else the native torch reference (CPU, CUDA).
+Both read the race's noise in the same order (q[b, j] for row b's j-th candidate of the sorted,
+truncated row), so a seeded request gets the same tokens from either.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import logging
 import math
 
 import numpy as np
@@ -36,6 +39,8 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]] | None]  # top-N (id, logprob), None where not asked for
 
 
+logger = logging.getLogger(__name__)
+
 BACKENDS = ("auto", "native", "ascend")
 
 
@@ -50,16 +55,29 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __init__(self, device: torch.device, vocab_size: int, top_k_guess: int = 32, backend: str = "auto") -> None:
-        """``backend``: "auto" picks Ascend's operator when ``device`` is an NPU, else native."""
+        """``backend``: "auto" picks Ascend's operator when ``device`` is an NPU and the operator
+        answers there (else native, with the reason logged and kept in ``fallback_reason``);
+        "ascend" insists on it (RuntimeError at start-up when it is not there)."""
         if backend not in BACKENDS:
             raise ValueError(f"sampler_backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.vocab_size = vocab_size
         self.top_k_guess = top_k_guess
         self.ascend = None
+        self.fallback_reason: str | None = None
         if backend == "ascend" or (backend == "auto" and device.type == "npu"):
             from sampling.npu import AscendTopKTopPSampler
 
-            self.ascend = AscendTopKTopPSampler(top_k_guess)
+            self.ascend, self.fallback_reason = AscendTopKTopPSampler.open(device, vocab_size, top_k_guess)
+            if self.ascend is None and backend == "ascend":
+                raise RuntimeError(f"sampler_backend: ascend is not available: {self.fallback_reason}")
+            if self.ascend is None:
+                logger.warning("Sampler: Ascend's operator is not used, native sampler instead: %s",
+                               self.fallback_reason)
+
+    @property
+    def backend_name(self) -> str:
+        """The backend in use: "ascend" or "native" (shown in /v1/models)."""
+        return "ascend" if self.ascend is not None else "native"
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` [R, V].
@@ -106,17 +124,20 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
         """Sample ``rows`` of ``logits`` [R, V]; returns [len(rows)] token ids."""
         if self.ascend is not None:
-            top_k = batch.top_k[rows]
-            reason = self.ascend.unsupported_reason(top_k, self.vocab_size)
+            top_k, top_p = batch.top_k[rows], batch.top_p[rows]
+            row_logits = take_rows(logits, rows)
+            op_dtype = self.ascend.operator_dtype(row_logits)
+            reason = self.ascend.unsupported_reason(top_k, top_p, self.vocab_size, op_dtype)
             if reason is None:
-                vocab_ids = torch.arange(logits.shape[1], device=logits.device)
-                q = exponential_noise(batch.seed_lo[rows], batch.seed_hi[rows], batch.step[rows], vocab_ids)  # [r, V]
-                return self.ascend.sample(take_rows(logits, rows), top_k, batch.top_p[rows], q)
+                # q[b, j]: the noise of row b's j-th candidate, as the native race reads it.
+                positions = torch.arange(logits.shape[1], device=logits.device)
+                q = exponential_noise(batch.seed_lo[rows], batch.seed_hi[rows], batch.step[rows], positions)  # [r, V]
+                return self.ascend.sample(row_logits, top_k, top_p, q, op_dtype)
             self.ascend.warn_fallback_once(reason)
 
-        def noise(noise_rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        def noise(noise_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return exponential_noise(batch.seed_lo[noise_rows], batch.seed_hi[noise_rows], batch.step[noise_rows],
-                                     token_ids)
+                                     positions)
 
         return top_k_top_p_sample(logits, batch.top_k, batch.top_p, noise, top_k_limit=self.vocab_size,
                                   top_k_guess=self.top_k_guess, sample_rows=rows)

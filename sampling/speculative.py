@@ -24,7 +24,7 @@ def target_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     """logits [r, V] float32 (min-p already applied) -> the distribution the sampler draws from
     [r, V], with top-k and top-p as sampling/topk_topp.py applies them."""
     vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [r, V]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [r, V]; ties: lowest id first
     positions = torch.arange(vocab, device=logits.device)
     k_on = (top_k >= 1) & (top_k <= vocab)
     sorted_logits = sorted_logits.masked_fill(k_on[:, None] & (positions >= top_k[:, None]), -float("inf"))

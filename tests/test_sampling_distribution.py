@@ -77,7 +77,8 @@ def test_min_p_keeps_tokens_within_the_ratio_of_the_best(logits):
 # ---- the operator's formula, checked by hand (SPEC §4) -----------------------------------
 
 def fixed_noise(q: torch.Tensor):
-    return lambda rows, ids: q[rows[:, None], ids] if ids.dim() == 2 else q[rows][:, ids]
+    """q [R, V] read as the operator reads it: q[b, j] for row b's j-th candidate."""
+    return lambda rows, positions: q[rows][:, positions]
 
 
 def op(logits, top_k, top_p, q, limit=1024):
@@ -94,27 +95,34 @@ def test_hand_checked_cases():
     assert op(LOGITS, [2], [0.5], None) == [3]
     # Equal noise: the race picks the most probable kept token.
     assert op(LOGITS, [0], [1.0], EQUAL_Q) == [3]
-    # Tiny q on token 0 makes it win when nothing truncates it...
+    # Tiny q at index 0 makes token 0 win when nothing sorts or truncates the row...
     assert op(LOGITS, [0], [1.0], [[1e-6, 1.0, 1.0, 1.0]]) == [0]
-    # ...but top-k = 2 keeps only tokens 3 and 2, so 2 wins when its q is small.
-    assert op(LOGITS, [2], [1.0], [[1e-6, 1.0, 1e-3, 1.0]]) == [2]
+    # ...but top-k = 2 keeps tokens 3 and 2, in that order: q[0] is token 3's, q[1] token 2's.
+    assert op(LOGITS, [2], [1.0], [[1e-6, 1.0, 1.0, 1.0]]) == [3]
+    assert op(LOGITS, [2], [1.0], [[1.0, 1e-3, 1.0, 1.0]]) == [2]
     # top-k outside [1, min(V, 1024)] is skipped for that row: token 0 wins again.
     assert op(LOGITS, [2000], [1.0], [[1e-6, 1.0, 1.0, 1.0]], limit=1024) == [0]
     assert op([[0.0] * 2048], [1500], [1.0], [[1e-6] + [1.0] * 2047], limit=1024) == [0]
     # top-p: probs 0.5, 0.3, 0.15, 0.05; with p = 0.7 the mass before token 2 is 0.8 > 0.7:
-    # tokens 2 and 3 are dropped, so a tiny q on them does not help them.
+    # tokens 2 and 3 are dropped, so a tiny q on their places does not help them.
     probs = [[float(np.log(x)) for x in (0.5, 0.3, 0.15, 0.05)]]
     assert op(probs, [0], [0.7], [[1.0, 1.0, 1e-6, 1e-6]]) == [0]
     assert op(probs, [0], [0.7], [[1.0, 1e-3, 1e-6, 1e-6]]) == [1]
     # p = 0.85: mass before token 2 is 0.8 <= 0.85, so token 2 is kept; token 3 (0.95) is not.
     assert op(probs, [0], [0.85], [[1.0, 1.0, 1e-6, 1e-7]]) == [2]
+    # The same probabilities in reverse token order: top-p sorts them, q follows the sort.
+    reverse = [probs[0][::-1]]
+    assert op(reverse, [0], [0.7], [[1.0, 1e-3, 1.0, 1e-9]]) == [2]
     # top_p >= 1 skips top-p.
     assert op(probs, [0], [1.0], [[1.0, 1.0, 1.0, 1e-6]]) == [3]
     # The race is argmax(probs / (q + eps)): with q = 0 everywhere, eps decides: the argmax.
     assert op(probs, [0], [1.0], [[0.0, 0.0, 0.0, 0.0]]) == [0]
+    # Ties at the top-k edge: the lowest ids, as a stable sort lists them (kept: 0, 1).
+    assert {op([[1.0, 1.0, 1.0, 1.0, 0.0]], [2], [1.0], [q])[0]
+            for q in ([1e-6, 1, 1, 1, 1], [1, 1e-6, 1, 1, 1], [1, 1, 1e-6, 1e-6, 1])} == {0, 1}
 
 
-def test_noise_is_exponential_and_keyed_by_seed_step_token():
+def test_noise_is_exponential_and_keyed_by_seed_step_index():
     ids = torch.arange(50_000)
     q = exponential_noise(torch.tensor([7]), torch.tensor([0]), torch.tensor([3]), ids)[0].double()
     assert abs(q.mean().item() - 1.0) < 0.02 and abs(q.var().item() - 1.0) < 0.05

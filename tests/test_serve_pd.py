@@ -2,6 +2,7 @@
 
 import base64
 import json
+import threading
 import time
 
 import httpx
@@ -72,7 +73,8 @@ def test_stream_shape_first_event_is_prefill(base_url):
     assert all(e["prefill_time"] is None and e["decode_time"] >= 0 for e in events[1:])
     assert "generated_text" not in events[0] and "details" not in events[-2]
     assert events[-1]["details"] == {"finish_reason": "length", "generated_tokens": 6, "seed": 42}
-    assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"]
+    assert events[-1]["token"]["text"] is None  # as seeds/000's example: generated_text has it all
+    assert events[-1]["generated_text"].startswith("".join(e["token"]["text"] for e in events[:-1]))
 
 
 def test_seeded_sampling_matches_between_pd_and_colocated(base_url):
@@ -422,7 +424,8 @@ def test_streams_at_once_in_both_dialects_carry_the_engines_tokens(base_url, ref
     def infer_token(app: str, i: int) -> None:
         events = infer(base_url, app, PROMPTS[i], stream=True, max_new_tokens=24, do_sample=False, ignore_eos=True)
         assert stream_tokens(events) == mindie[str(i)].output_token_ids  # one event per token
-        assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"] == mindie[str(i)].text
+        assert events[-1]["generated_text"] == mindie[str(i)].text and events[-1]["token"]["text"] is None
+        assert mindie[str(i)].text.startswith("".join(e["token"]["text"] for e in events[:-1]))
         assert events[-1]["details"]["generated_tokens"] == 24
 
     def completions(app: str) -> None:
@@ -464,3 +467,84 @@ def test_first_token_finishing_at_p_never_reaches_d(base_url):
     d_after = work_done("DecodeServer", "pd")
     assert {**d_after, "prefix_holds": 0} == {**d_before, "prefix_holds": 0}
     assert decode.kv_transfers.remote().result()["count"] == transfers
+
+
+# ---- the timeout rule in every dialect (docs/api.md): after the first token, an error ------------
+
+CHAT_MESSAGES = [{"role": "user", "content": "Count on."}]
+TIMING_OUT = {  # each dialect's request that runs past its 1 s deadline: D is held still meanwhile
+    "mindie": ("infer_token", {"input_id": PROMPTS[1],
+                               "parameters": {"max_new_tokens": 1_000_000, "ignore_eos": True, "timeout": 1}}),
+    "chat": ("v1/chat/completions", {"model": "tiny-llama", "messages": CHAT_MESSAGES, "ignore_eos": True,
+                                     "timeout": 1}),
+    "messages": ("v1/messages", {"model": "tiny-llama", "messages": CHAT_MESSAGES, "max_tokens": 1000,
+                                 "temperature": 0.0, "timeout": 1}),
+    "responses": ("v1/responses", {"model": "tiny-llama", "input": "Count on.", "temperature": 0.0, "timeout": 1}),
+}
+
+
+LIMIT_FIELD = {"responses": "max_output_tokens"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dialect", ["chat", "messages", "responses"])
+def test_a_stream_whose_deadline_passes_ends_with_the_dialects_error_event(base_url, dialect):
+    """As test_expired_deadline_ends_the_request_and_frees_blocks for MindIE's stream: D is held
+    still from the first event until past the deadline; the stream then ends in an error event,
+    never in a normal ending, and nothing is held on P or D."""
+    path, body = TIMING_OUT[dialect]
+    # The route warmed up first (the ingress's first chat request loads the tokenizer), and 3 s to
+    # the first token: the deadline is meant to pass after it, while D is held still.
+    httpx.post(f"{base_url}/pd/{path}", json={**body, "timeout": 600, LIMIT_FIELD.get(dialect, "max_tokens"): 1},
+               timeout=120).raise_for_status()
+    with httpx.stream("POST", f"{base_url}/pd/{path}", json={**body, "stream": True, "timeout": 3},
+                      timeout=120) as response:
+        assert response.status_code == 200
+        lines = (line for line in response.iter_lines() if line.startswith("data: "))
+        next(lines)
+        with stopped("DecodeServer"):
+            time.sleep(4)  # not a bound on a result: it puts the deadline in the past while D cannot step
+        events = [line[len("data: "):] for line in lines]
+    if dialect == "chat":
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "timeout" and error["message"].startswith("request timed out")
+        assert all(c["finish_reason"] is None for e in events[:-2] for c in json.loads(e)["choices"])
+    else:
+        last = json.loads(events[-1])
+        kinds = [json.loads(e)["type"] for e in events]
+        if dialect == "messages":
+            assert last == {"type": "error", "error": {"type": "timeout_error", "message": last["error"]["message"]}}
+            assert "message_stop" not in kinds
+        else:
+            assert last["type"] == "response.failed" and last["response"]["error"]["code"] == "timeout"
+            assert "response.completed" not in kinds and "response.incomplete" not in kinds
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pd")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dialect", ["mindie", "chat", "messages"])
+def test_a_whole_answer_whose_deadline_passes_is_a_408_in_the_dialects_shape(base_url, dialect):
+    """Whether the deadline passes before the first token or after it, the answer is the same 408."""
+    path, body = TIMING_OUT[dialect]
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(
+        httpx.post(f"{base_url}/pd/{path}", json=body, timeout=120)))
+    thread.start()
+    try:
+        assert wait_until(lambda: engine_stats("pd", "DecodeServer").running == 1, 30)
+        with stopped("DecodeServer"):
+            time.sleep(2)
+    finally:
+        thread.join(timeout=120)
+    (answer,) = answers
+    assert answer.status_code == 408, answer.text
+    body = answer.json()
+    if dialect == "messages":
+        assert body["type"] == "error" and body["error"]["type"] == "timeout_error"
+    else:
+        assert body["error"]["code"] == "timeout" and body["error"]["message"].startswith("request timed out")
+    if dialect == "mindie":  # MindIE's form of an error beside it: an empty output, err_msg set
+        assert body["generated_text"] == "" and body["details"]["finish_reason"] == "stop_sequence"
+        assert body["details"]["err_msg"] == body["error"]["message"]
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pd")

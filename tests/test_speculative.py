@@ -70,7 +70,8 @@ def test_prompt_lookup_gives_the_same_tokens_and_proposes_drafts(model_dirs):
     # Single-token matches: a random model's output repeats few pairs, and wrong drafts are the point here.
     eng = engine(model_dirs["llama"], dtype="float32", num_blocks=256, prompt_lookup_min=1)
     # No repetition penalty here: it keeps a random model from repeating any token lookup could match.
-    for params in (GREEDY, SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=20, seed=11, ignore_eos=True)):
+    # Seed 16: an output that repeats pairs of its context (seed 11 did under the race's former noise order).
+    for params in (GREEDY, SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=20, seed=16, ignore_eos=True)):
         plain, _ = run(eng, params)
         before = counts(eng)
         ours, _ = run(eng, params, prompt_lookup=True)
