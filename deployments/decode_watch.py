@@ -75,7 +75,9 @@ class DecodeWatch:
     def _start(self) -> None:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
-            self._probing.clear()  # tasks of another (closed) loop
+            self._probing.clear()  # tasks of another (closed) loop, and what they learnt: each replica
+            self.last_answer.clear()  # has stall_timeout_s again to answer this loop's probes
+            self.fetches.clear()
             self._task = loop.create_task(self._probe_forever())
 
     async def _probe_forever(self) -> None:

@@ -87,6 +87,7 @@ def test_d_is_down_once_no_replica_answered_for_the_stall_timeout_and_back_when_
         routing._routed[DEPLOYMENT] = {"a", "b", "c"}  # and a replacement joins
         await until(lambda: watch.answering() == {"b", "c"})
         assert not watch.down()
+        await until(lambda: watch.transfers()["in_flight"] == 2)  # once c's first answer is in
         assert watch.transfers() == {"in_flight": 2, "oldest_s": 0.5, "past_deadline": 0, "failed": {"cancelled": 4}}
 
     asyncio.run(run())
