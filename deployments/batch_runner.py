@@ -50,7 +50,6 @@ class BatchRunner:
         self.max_in_flight, self.lease_s, self.poll_s = max_in_flight, lease_s, poll_s
         self.allowed = max_in_flight  # lines in flight the pacing allows now
         self.in_flight = 0
-        self.lines_sent = 0  # /metrics: pdserve_batch_lines_sent
         self._driving: dict[str, asyncio.Task] = {}
 
     async def run(self) -> None:
@@ -162,7 +161,6 @@ class BatchRunner:
             return
         finally:
             self.in_flight -= 1
-        self.lines_sent += 1
         state = COMPLETED if 200 <= status < 300 else FAILED
         self.store.record(batch_id, line, state, output_line(custom_id, status, answer))
 

@@ -111,7 +111,7 @@ class SlidingWindow:
         requests, tokens = self._window(key, now)
         used = sum(n for _, n in tokens)
         if rpm is not None and len(requests) >= rpm:
-            return requests[len(requests) - rpm] + WINDOW_S - now, "rpm", len(requests), used
+            return requests[0] + WINDOW_S - now, "rpm", len(requests), used
         if tpm is not None and used >= tpm:
             freed, wait = used, 0.0
             for at, n in tokens:  # the oldest leave the window first
