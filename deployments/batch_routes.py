@@ -122,7 +122,7 @@ async def upload_file(request: Request, file: UploadFile = File(...),
 
 @router.get("/v1/files", responses=documented(400, 503))
 async def list_files(request: Request, purpose: str | None = None, after: str | None = None,
-                     limit: int = Query(10000, ge=1, le=files_api.MAX_LIST_LIMIT),
+                     limit: int = Query(files_api.MAX_LIST_LIMIT, ge=1, le=files_api.MAX_LIST_LIMIT),
                      order: Literal["asc", "desc"] = "desc"):
     files, has_more = service(request).store.files(purpose, after, limit, order == "desc")
     return files_api.list_page(files, limit, has_more)

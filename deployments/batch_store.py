@@ -35,6 +35,8 @@ CREATE TABLE IF NOT EXISTS lines (batch_id TEXT, line INTEGER, custom_id TEXT, b
                                   state TEXT, result TEXT, PRIMARY KEY (batch_id, line));
 """
 PENDING, COMPLETED, FAILED = "pending", "completed", "failed"  # a line's state; failed: in the error file
+FINALS = tuple(sorted(FINAL))
+UNFINISHED_SQL = f"({','.join('?' * len(FINALS))})"  # "status NOT IN" this, with FINALS: not ended yet
 
 
 class BatchStore:
@@ -88,9 +90,9 @@ class BatchStore:
             query, args = query + " AND purpose = ?", [purpose]
         if after is not None and (cursor := self._cursor("files", after)) is not None:
             compare = "<" if newest_first else ">"
-            query += f" AND (created_at, id) {compare} (?, ?)"
+            query += f" AND (created_at, rowid) {compare} (?, ?)"
             args += list(cursor)
-        rows = self._db.execute(f"{query} ORDER BY created_at {order}, id {order} LIMIT ?", args + [limit + 1])
+        rows = self._db.execute(f"{query} ORDER BY created_at {order}, rowid {order} LIMIT ?", args + [limit + 1])
         docs = [json.loads(r[0]) for r in rows]
         return docs[:limit], len(docs) > limit
 
@@ -100,8 +102,9 @@ class BatchStore:
         (self.files_dir / file_id).unlink(missing_ok=True)
         return bool(deleted)
 
-    def _cursor(self, table: str, row_id: str) -> tuple[int, str] | None:
-        row = self._db.execute(f"SELECT created_at, id FROM {table} WHERE id = ?", (row_id,)).fetchone()
+    def _cursor(self, table: str, row_id: str) -> tuple[int, int] | None:
+        """Where the row ``row_id`` sits in the order of pages: its creation second, then its insertion."""
+        row = self._db.execute(f"SELECT created_at, rowid FROM {table} WHERE id = ?", (row_id,)).fetchone()
         return tuple(row) if row else None
 
     # ---- batches -----------------------------------------------------------------------
@@ -125,8 +128,8 @@ class BatchStore:
         """A page of batches, newest first, after the batch ``after``; and whether more follow."""
         query, args = "SELECT doc FROM batches", []
         if after is not None and (cursor := self._cursor("batches", after)) is not None:
-            query, args = query + " WHERE (created_at, id) < (?, ?)", list(cursor)
-        rows = self._db.execute(f"{query} ORDER BY created_at DESC, id DESC LIMIT ?", args + [limit + 1]).fetchall()
+            query, args = query + " WHERE (created_at, rowid) < (?, ?)", list(cursor)
+        rows = self._db.execute(f"{query} ORDER BY created_at DESC, rowid DESC LIMIT ?", args + [limit + 1]).fetchall()
         docs = [self._with_counts(json.loads(r[0])) for r in rows]
         return docs[:limit], len(docs) > limit
 
@@ -146,7 +149,7 @@ class BatchStore:
             if only_from is not None and doc["status"] not in only_from:
                 return None
             doc.update(fields)
-            db.execute("UPDATE batches SET doc = ?, status = ? WHERE id = ?", (json.dumps(doc), doc["status"], batch_id))
+            _save(db, doc)
         return self._with_counts(doc)
 
     def start(self, batch_id: str, requests: list[tuple[str, dict]]) -> None:
@@ -157,21 +160,21 @@ class BatchStore:
                            [(batch_id, i, cid, json.dumps(body), PENDING) for i, (cid, body) in enumerate(requests)])
             doc = json.loads(db.execute("SELECT doc FROM batches WHERE id = ?", (batch_id,)).fetchone()[0])
             doc.update(status="in_progress", in_progress_at=int(time.time()))
-            db.execute("UPDATE batches SET doc = ?, status = ? WHERE id = ?", (json.dumps(doc), doc["status"], batch_id))
+            _save(db, doc)
 
     # ---- lines -------------------------------------------------------------------------
 
     def pending(self, batch_id: str) -> list[tuple[int, str, dict]]:
         """The lines not answered yet: (line, custom_id, body), in order."""
-        rows = self._db.execute("SELECT line, custom_id, body FROM lines WHERE batch_id = ? AND state = ? ORDER BY line",
-                                (batch_id, PENDING))
+        rows = self._db.execute("SELECT line, custom_id, body FROM lines WHERE batch_id = ? AND state = ? "
+                                "ORDER BY line", (batch_id, PENDING))
         return [(line, cid, json.loads(body)) for line, cid, body in rows]
 
     def record(self, batch_id: str, line: int, state: str, result: dict) -> bool:
         """Commit a line's result, unless it has one already (then False: nothing written)."""
         with self._write() as db:
-            return bool(db.execute("UPDATE lines SET state = ?, result = ? WHERE batch_id = ? AND line = ? AND state = ?",
-                                   (state, json.dumps(result), batch_id, line, PENDING)).rowcount)
+            return bool(db.execute("UPDATE lines SET state = ?, result = ? WHERE batch_id = ? AND line = ? "
+                                   "AND state = ?", (state, json.dumps(result), batch_id, line, PENDING)).rowcount)
 
     def results(self, batch_id: str, state: str) -> list[dict]:
         rows = self._db.execute("SELECT result FROM lines WHERE batch_id = ? AND state = ? ORDER BY line",
@@ -182,18 +185,20 @@ class BatchStore:
 
     def unfinished(self) -> bool:
         """Whether any batch has not reached a final status (a read, no lock taken)."""
-        final = tuple(FINAL)
-        return self._db.execute(f"SELECT 1 FROM batches WHERE status NOT IN ({','.join('?' * len(final))}) LIMIT 1",
-                                final).fetchone() is not None
+        return self._db.execute(f"SELECT 1 FROM batches WHERE status NOT IN {UNFINISHED_SQL} LIMIT 1",
+                                FINALS).fetchone() is not None
 
     def claim(self, owner: str, lease_s: float) -> list[str]:
         """The unfinished batches ``owner`` drives now: those it leased before and those whose lease
         ran out, leased to it (or renewed) for ``lease_s``."""
         now = time.time()
-        final = tuple(FINAL)
         with self._write() as db:
-            db.execute(f"UPDATE batches SET owner = ?, lease_until = ? WHERE status NOT IN ({','.join('?' * len(final))}) "
-                       "AND (owner = ? OR owner IS NULL OR lease_until < ?)", (owner, now + lease_s, *final, owner, now))
-            rows = db.execute("SELECT id FROM batches WHERE owner = ? AND status NOT IN "
-                              f"({','.join('?' * len(final))}) ORDER BY created_at", (owner, *final)).fetchall()
+            db.execute(f"UPDATE batches SET owner = ?, lease_until = ? WHERE status NOT IN {UNFINISHED_SQL} "
+                       "AND (owner = ? OR owner IS NULL OR lease_until < ?)", (owner, now + lease_s, *FINALS, owner, now))
+            rows = db.execute(f"SELECT id FROM batches WHERE owner = ? AND status NOT IN {UNFINISHED_SQL} "
+                              "ORDER BY created_at", (owner, *FINALS)).fetchall()
         return [r[0] for r in rows]
+
+
+def _save(db: sqlite3.Connection, doc: dict) -> None:
+    db.execute("UPDATE batches SET doc = ?, status = ? WHERE id = ?", (json.dumps(doc), doc["status"], doc["id"]))

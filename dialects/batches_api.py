@@ -29,8 +29,7 @@ ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": C
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 COMPLETION_WINDOW_S = 24 * 3600
 MAX_METADATA_PAIRS = 16
-# A batch's statuses, and the ones whose lines are all answered (the rest move on).
-STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled")
+# The statuses a batch ends in (validating, in_progress, finalizing and cancelling move on).
 FINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 # A line's body may not say these: batch lines are answered whole and run at the batch's priority.
 REFUSED_BODY_FIELDS = {"stream": "batch lines are answered whole, not streamed",

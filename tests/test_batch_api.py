@@ -3,7 +3,6 @@ on the kept PD app (tests/serving.py: its small upload bounds, its listed keys, 
 tests/test_batch_lines.py checks the parts that need no server."""
 
 import json
-import time
 
 import httpx
 import openai

@@ -90,7 +90,8 @@ def test_an_invalid_input_fails_the_batch_and_a_cancelled_one_ends_cancelled(cli
         assert failed.status == "validating" and failed.metadata == {"k": "v"}
         await runner.drive(failed.id)
         failed = await client.batches.retrieve(failed.id)
-        assert failed.status == "failed" and [(e.line, e.code) for e in failed.errors.data] == [(1, "invalid_json_line")]
+        assert failed.status == "failed"
+        assert [(e.line, e.code) for e in failed.errors.data] == [(1, "invalid_json_line")]
 
         good = await client.files.create(file=("in.jsonl", json.dumps(LINE).encode()), purpose="batch")
         batch = await client.batches.create(input_file_id=good.id, endpoint="/v1/chat/completions",
