@@ -257,7 +257,8 @@ DEFAULTS = {
 # nothing (user, metadata, ...), what is refused unless off (tests/test_api_validation.py).
 NOT_CONTROLS = {
     "infer_token": {"details", "typical_p", "watermark", "pad_id", "prompt_embedding_table", "prompt_vocab_size",
-                    "draft_logits", "lora_task_id", "lora_weights", "lora_config"},
+                    "draft_logits", "lora_task_id", "lora_weights", "lora_config",
+                    "is_need_logits"},  # refused by name when true (docs/serving.md): nothing reaches the engine
     "chat": {"messages", "stream", "stream_options", "user", "metadata", "store", "service_tier",
              "prompt_cache_key", "safety_identifier", "function_call", "modalities", "audio", "prediction",
              "verbosity", "web_search_options", "functions", "spaces_between_special_tokens", "parallel_tool_calls",
@@ -340,7 +341,7 @@ def test_every_field_of_every_route_is_in_the_table(route):
 
 def test_a_bad_value_is_refused_naming_its_field(fronts):
     """The table's values are the schema's to check: out of range, each is refused by name."""
-    for route, fields, name in (("chat", {"top_p": 0.0}, "top_p"), ("messages", {"temperature": 1.5}, "temperature"),
+    for route, fields, name in (("chat", {"top_p": -0.1}, "top_p"), ("messages", {"temperature": 1.5}, "temperature"),
                                 ("responses", {"priority": 0}, "priority"), ("infer_token", {"timeout": 0}, "timeout")):
         with pytest.raises(pydantic.ValidationError) as raised:
             only_request(route, fields, fronts["plain"])
