@@ -90,10 +90,12 @@ class Stream:
             self.error = event["error"]["message"]
         elif self.path == "/infer_token":
             self.tokens += event["token"] is not None
-            self.text += event["token"]["text"] if event["token"] else ""
+            self.text += (event["token"] or {}).get("text") or ""  # the last event's text is null (seeds/000)
             details = event.get("details") or {}
             self.error = details.get("err_msg") if details.get("finish_reason") == "stop_sequence" else None
             self.finished = "generated_text" in event and not self.error
+            if self.finished:
+                self.text = event["generated_text"]  # the whole text, the last token's included
         else:
             choice = event["choices"][0]
             self.tokens += 1 if choice["text"] or choice["finish_reason"] is None else 0

@@ -231,13 +231,15 @@ def _read_event(record: Record, event: dict) -> None:
         record.error_body += json.dumps(event)
         record.error, record.error_code = event["error"].get("message"), event["error"].get("code")
     elif record.work.path == "/infer_token":
-        if event.get("token"):
-            record.texts[0] = record.texts.get(0, "") + event["token"]["text"]
+        if event.get("token"):  # the last event's text is null (seeds/000): generated_text has it all
+            record.texts[0] = record.texts.get(0, "") + (event["token"]["text"] or "")
         details = event.get("details") or {}
         if details.get("err_msg"):
             record.error_body += json.dumps(details)
             record.error = details["err_msg"]
         if "generated_text" in event:
+            if not details.get("err_msg"):
+                record.texts[0] = event["generated_text"]
             record.terminals += 1
             record.finishes.setdefault(0, []).append(details.get("finish_reason"))
     else:
