@@ -222,7 +222,7 @@ def test_logits_beyond_the_limit_are_refused_before_any_work(base_url, app):
 
     engines = ("PrefillServer", "DecodeServer") if app == "pdcap" else ("LLMServer",)
     before = {engine: work_done(engine, app) for engine in engines}
-    generation = ask(PROMPTS[0], return_generation_logits=True)
+    generation = ask(PROMPTS[0], return_generation_logits=True, ignore_eos=True)  # to the cap, whatever the model says
     if app == "pdcap":
         assert generation.status_code == 400
         assert generation.json()["error"]["param"] == "parameters.return_generation_logits"
