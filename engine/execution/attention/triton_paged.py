@@ -133,14 +133,10 @@ def _paged_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_i
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def tile_tokens(group: int, prefill: bool) -> int:
     """BLOCK_Q: new tokens per program, so that tokens x padded group heads fill the tile's rows."""
     rows = PREFILL_ROWS if prefill else DECODE_ROWS
-    return max(rows // _next_power_of_2(group), 1)
+    return max(rows // triton.next_power_of_2(group), 1)
 
 
 @dataclass
@@ -186,7 +182,7 @@ class TritonStep:
         if num_rows:
             _store_kv[(triton.cdiv(num_rows, STORE_TOKENS),)](
                 k, v, k_cache, v_cache, self.slot_mapping, num_rows, k.stride(0), v.stride(0), k_cache.stride(0),
-                ROW=row, ROW_P=_next_power_of_2(row), TOKENS=STORE_TOKENS)
+                ROW=row, ROW_P=triton.next_power_of_2(row), TOKENS=STORE_TOKENS)
         out = torch.empty_like(q)
         if not len(self.work):
             return out
@@ -198,8 +194,8 @@ class TritonStep:
             out, q, k_cache, v_cache, self.tables, self.seq_info, self.work,
             head_dim ** -0.5 * math.log2(math.e), window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-            self.tables.stride(0), GROUP=group, GROUP_P=_next_power_of_2(group), BLOCK_Q=self.block_q,
-            BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_P=_next_power_of_2(head_dim), BLOCK_SIZE=self.block_size,
+            self.tables.stride(0), GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=self.block_q,
+            BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=self.block_size,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_FP32=interpreted(),
             num_warps=warps, num_stages=stages)
         return out
