@@ -28,7 +28,7 @@ from benchmarks.engine_throughput import SMOLLM_8L, make_model  # noqa: E402
 from benchmarks.speculative import prompts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.execution.lora import TARGETS, LoraAdapter, ModelShape  # noqa: E402
+from engine.lora_adapter import TARGETS, LoraAdapter, ModelShape  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 

@@ -21,7 +21,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from dialects.json_types import Seed, StrictModel, TokenId, sse_event
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput
-from engine.execution.lora import LoraRef
+from engine.lora_adapter import LoraRef
 from engine.request import DraftTokens, GenerationRequest, PromptTable
 from sampling import SamplingParams
 from sampling.params import MAX_LENGTH_PENALTY, MAX_TOP_LOGPROBS

@@ -17,7 +17,7 @@ from dialects.errors import APIError
 from dialects.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, Tool
 from dialects.reasoning import ReasoningParser, reasoning_parser, template_mentions
 from dialects.tool_calls import message_tool_calls, parse_tool_calls, template_has_tool_syntax, tools_grammar
-from engine.execution.lora import LoraRef
+from engine.lora_adapter import LoraRef
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput, TokenLogprob
 from engine.request import GenerationRequest
 from sampling import SamplingParams

@@ -14,7 +14,7 @@ PD one KV transfer. Their first tokens are sampled together from the prompt's la
 each with its own seed (``sampling.params.choice_seed``).
 
 A decoding sequence may verify draft tokens in its step (engine/decoding/draft_steps.py), and a request
-may run with a LoRA adapter (engine/execution/lora.py) in the same steps as requests without one.
+may run with a LoRA adapter (engine/lora_adapter.py) in the same steps as requests without one.
 
 This file keeps the loop; its other jobs are mixins beside it: a request's checks
 (engine/validation.py), PREFILL's hand-over to D (engine/prefill_handover.py), beams and drafts
@@ -39,7 +39,7 @@ from engine.decoding.draft_steps import DraftSteps
 from engine.decoding.speculative import Drafter
 from engine.detokenizer import IncrementalDetokenizer
 from engine.execution.loader import load_model
-from engine.execution.lora import LoraAdapter, ModelShape
+from engine.lora_adapter import LoraAdapter, ModelShape
 from engine.execution.model_runner import ModelRunner, StepResult, kv_pool_blocks
 from engine.kv_transfer import KVPayload
 from engine.offline import OfflineRuns
