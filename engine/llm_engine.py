@@ -107,8 +107,7 @@ class LLMEngine(RequestValidation, PrefillHandOver, BeamSteps, DraftSteps, Offli
             choices = [PendingChoice(c.index, c.seed, c.first_token_id,
                                      c.first_logprob.logprob if c.first_logprob else None) for c in prefill.choices]
         else:
-            base = request.params.seed
-            choices = [PendingChoice(j, choice_seed(base, j) if base else random.randint(1, MAX_SEED))
+            choices = [PendingChoice(j, choice_seed(request.params.seed, j) or random.randint(1, MAX_SEED))
                        for j in range(request.n)]
         seq = Sequence(request, choices[0].seed, next(self._arrivals), mode, deadline, self._kv_namespace,
                        choices[0].index, lora)
