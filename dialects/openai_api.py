@@ -75,7 +75,7 @@ class OpenAIFrontend:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_iter_times = max_iter_times
-        # SPEC §2: the prompt may use what the model's length leaves after max_iter_times. A cap
+        # seeds/001 (maxIterTimes): the prompt may use what the model's length leaves after max_iter_times. A cap
         # at or above the model's length would leave nothing: then any prompt up to length - 1
         # is taken, and generation stops at the model's length (finish_reason "length").
         gap = max_model_len - max_iter_times
