@@ -12,8 +12,6 @@ chunks of 256 (each chunk attending to everything before it).
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 import sys
 import time
@@ -22,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cli import bench_parser, write_json  # noqa: E402
 from engine.execution.attention import AttentionSeq, cpu_paged, torch_sdpa  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -65,12 +64,11 @@ def seconds_per_call(backend, steps: list[list[tuple[int, int]]], dtype: torch.d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     ctx = args.context
@@ -89,8 +87,7 @@ def main() -> None:
         result["ms"][case] = ms
         print(f"{case:<34}" + "".join(f"{v:>15.2f}" for v in ms.values())
               + f"{ms['torch_sdpa'] / ms['cpu_paged']:>13.2f}x")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Throughput is output tokens per second of the best beam (what a client reads) an
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 import sys
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cli import arguments, bench_parser, write_json  # noqa: E402
 from benchmarks.engine_throughput import SMOLLM_8L, make_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -63,13 +63,12 @@ def time_engine(engine: LLMEngine, ids: list[list[int]], width: int, output_len:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -95,8 +94,7 @@ def main() -> None:
                          "blocks_per_request_most": round(most / args.requests, 1),
                          "blocks_per_request_unshared": unshared})
             print(json.dumps(rows[-1]), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    write_json(args.json, {"args": arguments(args), "rows": rows})
 
 
 if __name__ == "__main__":

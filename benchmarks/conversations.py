@@ -14,8 +14,8 @@ import time
 
 import httpx
 
-from benchmarks.clients import Result, send
-from benchmarks.loadgen import Work, arrival_gaps
+from tools.clients import Result, send
+from tools.loadgen import Work, arrival_gaps
 
 
 async def run_conversations(base_url: str, conversations: int, turns: int, system_len: int, user_len: int,

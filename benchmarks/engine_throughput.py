@@ -18,7 +18,6 @@ engine on each attention backend and in batch-invariant mode, back to back.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass
 import json
 import os
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cli import bench_parser, write_json  # noqa: E402
 from benchmarks.machine import copy_bandwidth, matmul_flops  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -200,8 +200,7 @@ def time_engine(model_dir: Path, ids: list[list[int]], w: Workload, fused_kernel
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path)
+    parser = bench_parser(__doc__)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
@@ -264,8 +263,7 @@ def main() -> None:
           f"{result['engine_vs_roofline']:.0%}, engine / matmul chain = {result['engine_vs_matmul_chain']:.0%}")
     if result["engine_vs_vllm"] is not None:
         print(f"engine / vLLM CPU = {result['engine_vs_vllm']:.2f}x")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

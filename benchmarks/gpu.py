@@ -24,7 +24,6 @@ models are made by transformers on the GPU; nothing is downloaded. It reports:
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 from dataclasses import dataclass
 import io
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cli import bench_parser, write_json  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.kv_transfer import numpy_to_tensor, tensor_to_numpy  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -412,8 +412,7 @@ def guarded(fn, *args):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path)
+    parser = bench_parser(__doc__)
     parser.add_argument("--only", help="run the workloads whose name contains this")
     parser.add_argument("--no-sweep", action="store_true", help="leave out the attention kernel's launch sweep")
     args = parser.parse_args()
@@ -464,8 +463,7 @@ def main() -> None:
             say(f"decode step host profile ({w.name}, 20 steps):\n{guarded(decode_profile, llm, w)}")
     report["seconds"] = time.perf_counter() - began
     say(f"done in {report['seconds']:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2, default=str))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

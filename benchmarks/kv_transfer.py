@@ -15,9 +15,7 @@ shared-memory hand-off's steps, timed in this process (P's write, D's map, D's c
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 from pathlib import Path
 import statistics
 import sys
@@ -30,13 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from benchmarks.clients import send_each  # noqa: E402
-from benchmarks.loadgen import Work  # noqa: E402
+from benchmarks.cli import bench_parser, write_json  # noqa: E402
 from benchmarks.machine import copy_bandwidth  # noqa: E402
 from deployments.app import pd_app  # noqa: E402
 from deployments.kv_connector import KV_TRANSPORTS  # noqa: E402
 from deployments.kv_direct import map_segment, write_segment  # noqa: E402
 from tests.serving import deploy, serve_session  # noqa: E402
+from tools.clients import send_each  # noqa: E402
+from tools.loadgen import Work  # noqa: E402
 
 PROMPT_LENGTHS = (256, 1024, 4000)
 
@@ -102,8 +101,7 @@ def shared_memory_steps(megabytes: float = 16.0, repeats: int = 20) -> dict[str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path)
+    parser = bench_parser(__doc__)
     parser.add_argument("--transport", nargs="+", choices=KV_TRANSPORTS, default=list(KV_TRANSPORTS),
                         help="the KV transports compared, each in its own pair of apps (default: all)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over every app; medians are reported")
@@ -157,9 +155,8 @@ def main() -> None:
               f"{r['fetch_over_ttft']:>11.3f}")
     print("shared memory, in this process, {mb:.1f} MB, best of 20: P's write {write_ms:.2f} ms, D's map "
           "{map_ms:.2f} ms, D's copy into its blocks {copy_ms:.2f} ms".format(**steps))
-    if args.json:
-        args.json.write_text(json.dumps({"copy_gb_s": bandwidth / 1e9, "medians": table, "transfers": rows,
-                                         "shared_memory_steps": steps}, indent=2))
+    write_json(args.json, {"copy_gb_s": bandwidth / 1e9, "medians": table, "transfers": rows,
+                           "shared_memory_steps": steps})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ decode), and decode tokens per second from the step that gave every request its 
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 import sys
@@ -24,11 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cli import arguments, bench_parser, write_json  # noqa: E402
 from benchmarks.engine_throughput import SMOLLM_8L, make_model  # noqa: E402
 from benchmarks.speculative import prompts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.execution.lora import TARGETS, LoraAdapter, ModelShape  # noqa: E402
+from engine.lora_adapter import TARGETS, LoraAdapter, ModelShape  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 
@@ -65,14 +65,13 @@ def run(engine: LLMEngine, ids: list[list[int]], output_len: int, adapters: list
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ids = prompts(args.requests, args.input_len, False)
@@ -92,9 +91,7 @@ def main() -> None:
                        decode_of_base=round(row["decode_tok_s"] / base["decode_tok_s"], 3))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "model": SMOLLM_8L,
-                                         "rows": rows}, indent=2))
+    write_json(args.json, {"args": arguments(args), "model": SMOLLM_8L, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from benchmarks.cli import bench_parser, write_json
 from deployments.pd_planner import DecodeProfile, decode_batch, decode_capacity, decode_replicas, prefill_capacity, \
     prefill_replicas
 
@@ -219,7 +220,7 @@ def plot(path: Path, intervals: list[Interval], result: dict) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--seed", type=int, default=31)
     parser.add_argument("--duration-s", type=float, default=3600.0)
     parser.add_argument("--interval-s", type=float, default=10.0, help="the autoscaler's period and look-back")
@@ -233,7 +234,6 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", action="store_true", help="measure the costs on this machine and stop")
     parser.add_argument("--every", type=int, default=30, help="print one interval in this many")
     parser.add_argument("--plot", type=Path)
-    parser.add_argument("--json", type=Path)
     return parser
 
 
@@ -259,8 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(result))
     if args.plot:
         plot(args.plot, intervals, result)
-    if args.json:
-        args.json.write_text(json.dumps({"summary": result, "intervals": [asdict(i) for i in intervals]}))
+    write_json(args.json, {"summary": result, "intervals": [asdict(i) for i in intervals]})
     return result
 
 

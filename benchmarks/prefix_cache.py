@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 import statistics
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cli import bench_parser, write_json  # noqa: E402
 from benchmarks.engine_throughput import SMOLLM_8L, make_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -84,12 +84,11 @@ def n_choices(engine: LLMEngine, n: int, separate: bool, prompt_len: int, output
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-len", type=int, default=1024)
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result: dict = {"dtype": args.dtype, "torch_threads": torch.get_num_threads()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,8 +116,7 @@ def main() -> None:
     print(f"n=4: {result['n4_shared']['prompt_tokens_computed']} prompt tokens computed "
           f"({result['n4_separate']['prompt_tokens_computed']} as 4 requests), "
           f"{result['n4_shared']['tok_s']:.0f} vs {result['n4_separate']['tok_s']:.0f} tok/s")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ are peaked as a language model's are (a few strong candidates over a noisy floor
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 import statistics
 import sys
@@ -20,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cli import bench_parser, write_json  # noqa: E402
 from sampling import Sampler, SamplingBatch, SamplingParams, SamplingRow  # noqa: E402
 
 
@@ -79,8 +78,7 @@ def timed(fn, repeats: int, setup=lambda: None) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path)
+    parser = bench_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     results = []
@@ -106,8 +104,7 @@ def main() -> None:
             print(f"{batch:>6}{vocab:>8}{row['sampler_ms']:>12.2f}{row['loop_ms']:>10.2f}"
                   f"{row['softmax_argmax_ms']:>11.2f}{row['sampler_vs_argmax']:>10.2f}x"
                   f"{row['loop_vs_sampler']:>13.1f}x")
-    if args.json:
-        args.json.write_text(json.dumps({"torch_threads": torch.get_num_threads(), "results": results}, indent=2))
+    write_json(args.json, {"torch_threads": torch.get_num_threads(), "results": results})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ engine every torch thread; PD gives P and D half each. Prints output tok/s, mean
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from dataclasses import dataclass
 import json
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
+from benchmarks.cli import bench_parser, write_json  # noqa: E402
 from benchmarks.engine_throughput import make_model  # noqa: E402
 from tests.serving import free_port, serve_session, wait_until  # noqa: E402
 
@@ -148,7 +148,7 @@ def run_pdserve(kind: str, model_dir: Path, dtype: str, threads: int, workloads:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--servers", default="vllm,colocated,pd")
@@ -156,7 +156,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per workload; the last is reported")
     parser.add_argument("--model", type=Path, help="a model directory to serve instead of the random SmolLM-8L")
     parser.add_argument("--vllm-venv", type=Path, default=Path(__file__).resolve().parents[1] / ".venv-vllm")
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     workloads = [Workload(*map(int, w.split("x"))) for w in args.workloads.split(",")]
     results: dict[str, dict] = {}
@@ -178,8 +177,7 @@ def main() -> None:
             ratio = f" {r['tok_s'] / base:.2f}x" if base and server != "vllm" else ""
             cells.append(f"{server} {r['tok_s']:7.1f} ({r['mean_ttft_s']:.2f}){ratio}")
         print(f"{w.name:>18}: " + " | ".join(cells))
-    if args.json:
-        args.json.write_text(json.dumps({"dtype": args.dtype, "threads": args.threads, "results": results}, indent=2))
+    write_json(args.json, {"dtype": args.dtype, "threads": args.threads, "results": results})
 
 
 if __name__ == "__main__":

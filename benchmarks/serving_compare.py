@@ -11,7 +11,7 @@ of 4 turns over a 1024-token system prompt, 64 new tokens and 32 out per turn), 
 p99 TTFT and p99 TPOT side by side with ratios to colocated, and for the PD apps the KV bytes
 sent per request (per conversation on multi-turn), D's prefix-cache hit rate and the share of
 prompts D computed itself. With --slo-sweep, goodput as DistServe defines it instead
-(benchmarks/goodput.py): each workload, and a fourth of long prompts (2048-4000 in / 32 out), swept
+(tools/goodput.py): each workload, and a fourth of long prompts (2048-4000 in / 32 out), swept
 over rates of its own (SLO_RATES) up past saturation, the attainment of every SLO pair of the grid
 at each rate, the goodput per pair and app side by side, and an attainment plot per workload.
 There the apps are deployed together and take turns at each rate (one loaded at a time), so
@@ -29,7 +29,6 @@ model), i.e. what the proxy, the ingress and the hops cost on this machine when 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -44,13 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 from ray import serve  # noqa: E402
 
-from benchmarks.clients import send_each  # noqa: E402
+from benchmarks.cli import bench_parser, write_json  # noqa: E402
 from benchmarks.conversations import run_conversations  # noqa: E402
-from benchmarks.goodput import DEFAULT_SLO_GRID, attainment, goodput_by_slo, parse_slo_grid  # noqa: E402
-from benchmarks.goodput import print_goodput_table  # noqa: E402
-from benchmarks.loadgen import workloads  # noqa: E402
-from benchmarks.loadtest import main as loadtest  # noqa: E402
-from benchmarks.stats import parse_goodput, summarize  # noqa: E402
 from deployments.app import colocated_app, pd_app  # noqa: E402
 from deployments.config import AppArgs  # noqa: E402
 from deployments.ingress import Ingress  # noqa: E402
@@ -62,6 +56,12 @@ from engine.outputs import LENGTH, RequestOutput  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 from tests.serving import deploy, serve_session  # noqa: E402
+from tools.clients import send_each  # noqa: E402
+from tools.goodput import DEFAULT_SLO_GRID, attainment, goodput_by_slo, parse_slo_grid  # noqa: E402
+from tools.goodput import print_goodput_table  # noqa: E402
+from tools.loadgen import workloads  # noqa: E402
+from tools.loadtest import main as loadtest  # noqa: E402
+from tools.stats import parse_goodput, summarize  # noqa: E402
 
 WORKLOADS = {"chat-like": ("64:256", "32"), "prefill-heavy": ("1024", "16"), "multi-turn": None}
 LONG_PROMPT = ("2048:4000", "32")  # tiny-llama's context is 4096 tokens
@@ -178,7 +178,7 @@ def report_goodput(results: dict, plot_dir: Path | None) -> dict:
         table[name] = {app: goodput_by_slo(runs) for app, runs in by_app.items()}
         print_goodput_table(table[name], name)
         if plot_dir:
-            from benchmarks.plots import slo_attainment_plot
+            from tools.plots import slo_attainment_plot
 
             plot_dir.mkdir(parents=True, exist_ok=True)
             slo_attainment_plot(plot_dir / f"slo_attainment_{name}.png", by_app, f"SLO attainment, {name}")
@@ -244,22 +244,20 @@ def engine_latency(prompts, threads: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--rates", default=None, help="offered request rates (req/s), comma-separated; "
                         "default 2,4,8 (with --slo-sweep: SLO_RATES, per workload)")
     parser.add_argument("--num-requests", type=int, default=40, help="per run (with --slo-sweep: at least)")
     parser.add_argument("--slo-sweep", action="store_true", help="goodput per SLO pair instead of the comparison")
     parser.add_argument("--slo-grid", default=DEFAULT_SLO_GRID, help="with --slo-sweep: 'ttft:MS,... tpot:MS,...'")
     parser.add_argument("--plot", type=Path, help="with --slo-sweep: a directory for the attainment PNGs")
-    parser.add_argument("--json", type=Path)
     parser.add_argument("--overhead-only", action="store_true", help="skip the sweeps")
     parser.add_argument("--threshold-scan", action="store_true", help="only TTFT on P vs on D by prompt length")
     parser.add_argument("--apps", default=",".join(APPS), help="the apps to sweep, comma-separated")
     args = parser.parse_args()
     if args.threshold_scan:
         scan = threshold_scan()
-        if args.json:
-            args.json.write_text(json.dumps(scan, indent=2))
+        write_json(args.json, scan)
         return
     if args.slo_sweep:
         parse_slo_grid(args.slo_grid)  # refuse a bad grid before any app starts
@@ -269,8 +267,7 @@ def main() -> None:
             results = slo_sweep({app: f"{url}/{app}" for app in apps}, args.rates, args.num_requests,
                                 args.slo_grid, args.json)
         table = report_goodput(results, args.plot)
-        if args.json:
-            args.json.write_text(json.dumps({"results": results, "goodput": table}, indent=2))
+        write_json(args.json, {"results": results, "goodput": table})
         return
     args.rates = args.rates or "2,4,8"
     prompts = workloads(OVERHEAD_PROMPTS, "128", "32", 11, None, (3, 800))
@@ -283,15 +280,13 @@ def main() -> None:
             results[app] = {"sweep": sweeps, "http": http_latency(url, prompts)}
     if not args.overhead_only:
         report_sweeps(results)
-        if args.json:
-            args.json.write_text(json.dumps({"results": results}, indent=2))
+        write_json(args.json, {"results": results})
     with serve_session() as url:
         serve.run(Ingress.bind(AppArgs(embeddings=False), llm=EchoEngine.bind()), name="floor", route_prefix="/")
         floor = http_latency(url, prompts)
     engine = {app: engine_latency(prompts, 2 if app == "colocated" else 1) for app in results}
     report_overhead(results, engine, floor)
-    if args.json:
-        args.json.write_text(json.dumps({"results": results, "engine": engine, "floor": floor}, indent=2))
+    write_json(args.json, {"results": results, "engine": engine, "floor": floor})
 
 
 def report_sweeps(results: dict) -> None:

@@ -22,7 +22,6 @@ Perfect and partial drafts come from a benchmark-only oracle that stands in for 
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 import sys
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cli import arguments, bench_parser, write_json  # noqa: E402
 from benchmarks.engine_throughput import SMOLLM_8L, make_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -108,12 +108,11 @@ def measure(engine: LLMEngine, ids: list[list[int]], output_len: int, label: str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -140,8 +139,7 @@ def main() -> None:
                 rows.append(off)
                 rows.append(measure(engine, ids, args.output_len, f"{kind}: prompt lookup", base, plain,
                                     prompt_lookup=True))
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    write_json(args.json, {"args": arguments(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -23,14 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 from ray import serve  # noqa: E402
 
-from benchmarks.clients import ENDPOINTS, send  # noqa: E402
-from benchmarks.loadgen import workloads  # noqa: E402
 from deployments.app import colocated_app  # noqa: E402
 from deployments.config import AppArgs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 from tests.serving import serve_session  # noqa: E402
+from tools.clients import ENDPOINTS, send  # noqa: E402
+from tools.loadgen import workloads  # noqa: E402
 
 
 async def served_round(url: str, works, endpoint: str, model: str) -> tuple[int, float]:

@@ -20,7 +20,6 @@ the grammar that watches for a call.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 import random
@@ -32,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cli import bench_parser, write_json  # noqa: E402
 from benchmarks.engine_throughput import SMOLLM_8L  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -134,12 +134,11 @@ def mask_cost_ms(engine: LLMEngine, grammar: Grammar, outputs: list[list[int]], 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "model", args.vocab)
@@ -175,8 +174,7 @@ def main() -> None:
         "mask_share_of_unconstrained_step": {name: sum(m.values()) / step_ms for name, m in mask.items()},
     }
     print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

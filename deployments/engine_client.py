@@ -20,7 +20,7 @@ from deployments.streams import indexed, prepend_first
 from deployments.tracing import RequestTrace, traced
 from dialects.engine_client import Origin, ServedSettings
 from dialects.errors import APIError
-from engine.execution.lora import LoraAdapter, LoraRef, ModelShape
+from engine.lora_adapter import LoraAdapter, LoraRef, ModelShape
 from engine.model_info import ModelInfo
 from engine.outputs import TIMEOUT, RequestOutput
 from engine.request import GenerationRequest

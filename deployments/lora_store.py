@@ -1,5 +1,5 @@
 """Where a LoRA adapter lives in the app: one store every replica fetches from, and each
-replica's own least-recently-used cache (engine/execution/lora.py has what an adapter is).
+replica's own least-recently-used cache (engine/lora_adapter.py has what an adapter is).
 
 - ``LoraStore`` (a deployment, one replica, no CPU reserved) holds the app's adapters: the named
   ones (AppArgs ``lora_modules``, PEFT directories read at start) and those sent on /infer_token
@@ -21,7 +21,7 @@ from ray import serve
 from transformers import AutoConfig
 
 from engine.execution.loader import model_spec, resolve_model_dir
-from engine.execution.lora import LoraAdapter, LoraRef, ModelShape, from_peft
+from engine.lora_adapter import LoraAdapter, LoraRef, ModelShape, from_peft
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})

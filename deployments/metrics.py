@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -30,60 +31,80 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 BYTES_BUCKETS = tuple(4 ** k * 1024 for k in range(1, 12))  # 4 KiB .. 4 GiB
 
 
+class Metric(NamedTuple):
+    """One declared metric. ``phase``: the trace phase (deployments/tracing.py) a histogram observes
+    once per engine request; ``stat``: the EngineStats field a per-deployment gauge reads at each scrape."""
+
+    attr: str  # IngressMetrics' attribute
+    kind: type
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+    phase: str | None = None
+    stat: str | None = None
+
+
+DEPLOYMENT = ("deployment",)
+METRICS = (
+    Metric("requests", Counter, "pdserve_requests", "HTTP requests", ("endpoint", "status", "priority")),
+    Metric("ttft", Histogram, "pdserve_time_to_first_token_seconds", "arrival at the ingress to the first token",
+           buckets=LATENCY_BUCKETS, phase="ttft"),
+    Metric("tpot", Histogram, "pdserve_time_per_output_token_seconds", "mean time per token after the first",
+           buckets=LATENCY_BUCKETS),
+    Metric("e2e", Histogram, "pdserve_e2e_request_latency_seconds", "arrival at the ingress to the request's end",
+           buckets=LATENCY_BUCKETS),
+    Metric("queue_time", Histogram, "pdserve_request_queue_time_seconds", "waiting: ingress (to the engine), "
+           "prefill (P or colocated: to scheduled), decode (D: to scheduled)", ("stage",), buckets=LATENCY_BUCKETS),
+    Metric("prefill_time", Histogram, "pdserve_request_prefill_time_seconds", "scheduled to the first token",
+           buckets=LATENCY_BUCKETS, phase="prefill"),
+    Metric("decode_time", Histogram, "pdserve_request_decode_time_seconds", "first token to last token",
+           buckets=LATENCY_BUCKETS, phase="decode"),
+    Metric("kv_seconds", Histogram, "pdserve_kv_transfer_seconds", "D's fetch of a request's KV from P",
+           buckets=LATENCY_BUCKETS, phase="kv_transfer"),
+    Metric("kv_bytes_hist", Histogram, "pdserve_kv_transfer_bytes", "bytes of a request's KV fetched by D",
+           buckets=BYTES_BUCKETS),
+    Metric("queue_depth", Gauge, "pdserve_queue_depth", "requests waiting in an engine", ("deployment", "priority")),
+    Metric("running", Gauge, "pdserve_running_requests", "requests running in an engine", DEPLOYMENT,
+           stat="running"),
+    Metric("kv_blocks", Gauge, "pdserve_kv_blocks", "KV cache blocks", ("deployment", "state")),
+    Metric("finished", Gauge, "pdserve_engine_requests_finished", "requests an engine has ended since it started",
+           ("deployment", "reason")),
+    Metric("kv_usage", Gauge, "pdserve_kv_cache_usage_perc", "fraction of KV blocks held by requests (cached "
+           "blocks count as free)", DEPLOYMENT, stat="kv_cache_usage"),
+    Metric("prefix_queries", Gauge, "pdserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+           DEPLOYMENT, stat="prefix_cache_queries"),
+    Metric("prefix_hits", Gauge, "pdserve_prefix_cache_hits", "prompt tokens found in the prefix cache",
+           DEPLOYMENT, stat="prefix_cache_hits"),
+    Metric("prompt_computed", Gauge, "pdserve_prompt_tokens_computed", "prompt tokens run through the model "
+           "(not prefix hits, not imported KV)", DEPLOYMENT, stat="prompt_tokens_computed"),
+    Metric("spec_drafts", Gauge, "pdserve_spec_decode_num_drafts", "steps of a sequence that verified draft tokens",
+           DEPLOYMENT, stat="spec_decode_num_drafts"),
+    Metric("spec_draft_tokens", Gauge, "pdserve_spec_decode_num_draft_tokens", "draft tokens verified",
+           DEPLOYMENT, stat="spec_decode_num_draft_tokens"),
+    Metric("spec_accepted", Gauge, "pdserve_spec_decode_num_accepted_tokens", "draft tokens that stood",
+           DEPLOYMENT, stat="spec_decode_num_accepted_tokens"),
+    Metric("migrations", Counter, "pdserve_request_migrations", "times a request moved to another replica after "
+           "the one serving it failed"),
+    Metric("kv_bytes", Gauge, "pdserve_kv_bytes_moved", "KV bytes moved from P to D"),
+    Metric("kv_transfers", Gauge, "pdserve_kv_transfers", "KV transfers from P to D"),
+    Metric("replicas", Gauge, "pdserve_replicas", "running replicas of each deployment of this application (P:D "
+           "ratio under autoscaling)", DEPLOYMENT),
+    Metric("pd_decisions", Gauge, "pdserve_pd_prefill_decisions", "PD requests by where their prompt was computed "
+           "(decode: on D, prefill: on P) and why (deployments/disaggregation.py)", ("where", "reason")),
+    Metric("pd_prompt_tokens", Gauge, "pdserve_pd_prompt_tokens", "PD prompt tokens by who had them: decode_cache "
+           "(D held their KV), decode (D computed them), prefill (P computed and sent them)", ("source",)),
+)
+
+
 class IngressMetrics:
+    """The metrics of METRICS, each an attribute by its ``attr``, in one registry."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("pdserve_requests", "HTTP requests", ["endpoint", "status", "priority"], registry=r)
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "arrival at the ingress to the first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "mean time per token after the first",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "arrival at the ingress to the request's end",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("pdserve_request_queue_time_seconds", "waiting: ingress (to the engine), "
-                                    "prefill (P or colocated: to scheduled), decode (D: to scheduled)", ["stage"],
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill_time = Histogram("pdserve_request_prefill_time_seconds", "scheduled to the first token",
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.decode_time = Histogram("pdserve_request_decode_time_seconds", "first token to last token",
-                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "D's fetch of a request's KV from P",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.kv_bytes_hist = Histogram("pdserve_kv_transfer_bytes", "bytes of a request's KV fetched by D",
-                                       buckets=BYTES_BUCKETS, registry=r)
-        self.queue_depth = Gauge("pdserve_queue_depth", "requests waiting in an engine", ["deployment", "priority"],
-                                 registry=r)
-        self.running = Gauge("pdserve_running_requests", "requests running in an engine", ["deployment"], registry=r)
-        self.kv_blocks = Gauge("pdserve_kv_blocks", "KV cache blocks", ["deployment", "state"], registry=r)
-        self.finished = Gauge("pdserve_engine_requests_finished", "requests an engine has ended since it started",
-                              ["deployment", "reason"], registry=r)
-        self.kv_usage = Gauge("pdserve_kv_cache_usage_perc", "fraction of KV blocks held by requests (cached "
-                              "blocks count as free)", ["deployment"], registry=r)
-        self.prefix_queries = Gauge("pdserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
-                                    ["deployment"], registry=r)
-        self.prefix_hits = Gauge("pdserve_prefix_cache_hits", "prompt tokens found in the prefix cache",
-                                 ["deployment"], registry=r)
-        self.prompt_computed = Gauge("pdserve_prompt_tokens_computed", "prompt tokens run through the model "
-                                     "(not prefix hits, not imported KV)", ["deployment"], registry=r)
-        self.spec_drafts = Gauge("pdserve_spec_decode_num_drafts", "steps of a sequence that verified draft tokens",
-                                 ["deployment"], registry=r)
-        self.spec_draft_tokens = Gauge("pdserve_spec_decode_num_draft_tokens", "draft tokens verified",
-                                       ["deployment"], registry=r)
-        self.spec_accepted = Gauge("pdserve_spec_decode_num_accepted_tokens", "draft tokens that stood",
-                                   ["deployment"], registry=r)
-        self.migrations = Counter("pdserve_request_migrations", "times a request moved to another replica after "
-                                  "the one serving it failed", registry=r)
-        self.kv_bytes = Gauge("pdserve_kv_bytes_moved", "KV bytes moved from P to D", registry=r)
-        self.kv_transfers = Gauge("pdserve_kv_transfers", "KV transfers from P to D", registry=r)
-        self.replicas = Gauge("pdserve_replicas", "running replicas of each deployment of this application (P:D "
-                              "ratio under autoscaling)", ["deployment"], registry=r)
-        self.pd_decisions = Gauge("pdserve_pd_prefill_decisions", "PD requests by where their prompt was computed "
-                                  "(decode: on D, prefill: on P) and why (deployments/disaggregation.py)",
-                                  ["where", "reason"], registry=r)
-        self.pd_prompt_tokens = Gauge("pdserve_pd_prompt_tokens", "PD prompt tokens by who had them: decode_cache "
-                                      "(D held their KV), decode (D computed them), prefill (P computed and sent "
-                                      "them)", ["source"], registry=r)
+        for m in METRICS:
+            extra = {} if m.buckets is None else {"buckets": m.buckets}
+            setattr(self, m.attr, m.kind(m.name, m.help, list(m.labels), registry=self.registry, **extra))
 
     def observe(self, trace: RequestTrace) -> None:
         """An engine request has ended: each phase it went through, once."""
@@ -91,10 +112,9 @@ class IngressMetrics:
         for stage in ("ingress", "prefill", "decode"):
             if f"queue_{stage}" in phases:
                 self.queue_time.labels(stage).observe(phases[f"queue_{stage}"])
-        for name, histogram in (("prefill", self.prefill_time), ("decode", self.decode_time),
-                                ("kv_transfer", self.kv_seconds), ("ttft", self.ttft)):
-            if name in phases:
-                histogram.observe(phases[name])
+        for m in METRICS:
+            if m.phase in phases:
+                getattr(self, m.attr).observe(phases[m.phase])
         if trace.kv is not None:
             self.kv_bytes_hist.observe(trace.kv.nbytes)
         if "decode" in phases:
@@ -114,17 +134,12 @@ class IngressMetrics:
                 continue
             for priority, depth in s.waiting_by_priority.items():
                 self.queue_depth.labels(name, str(priority)).set(depth)
-            self.running.labels(name).set(s.running)
+            for m in METRICS:
+                if m.stat is not None:
+                    getattr(self, m.attr).labels(name).set(getattr(s, m.stat))
             self.kv_blocks.labels(name, "used").set(s.blocks_used)
             self.kv_blocks.labels(name, "cached").set(s.blocks_cached)
             self.kv_blocks.labels(name, "free").set(s.blocks_total - s.blocks_used - s.blocks_cached)
-            self.kv_usage.labels(name).set(s.kv_cache_usage)
-            self.prefix_queries.labels(name).set(s.prefix_cache_queries)
-            self.prefix_hits.labels(name).set(s.prefix_cache_hits)
-            self.prompt_computed.labels(name).set(s.prompt_tokens_computed)
-            self.spec_drafts.labels(name).set(s.spec_decode_num_drafts)
-            self.spec_draft_tokens.labels(name).set(s.spec_decode_num_draft_tokens)
-            self.spec_accepted.labels(name).set(s.spec_decode_num_accepted_tokens)
             for reason, count in s.finished_by_reason.items():
                 self.finished.labels(name, reason).set(count)
         for (where, reason), count in getattr(backend, "decisions", {}).items():

@@ -97,12 +97,11 @@ def _legs(request: GenerationRequest, so_far: list[ChoiceSoFar], migration: int
     tag = f"{request.request_id}.m{migration}"
     if not any(c.started for c in so_far):
         return [(replace(request, request_id=tag), None)]
-    base = request.params.seed
     legs = []
     for c in so_far:
         if c.finished:
             continue
-        seed = c.seed if c.started else (choice_seed(base, c.index) if base else None)
+        seed = c.seed if c.started else choice_seed(request.params.seed, c.index)
         # The prompt's logprobs and logits reached the ingress with the first tokens: not computed again.
         params = replace(request.params, seed=seed, prompt_logprobs=None, return_context_logits=False)
         legs.append((replace(request, request_id=f"{tag}.{c.index}", params=params, n=1,

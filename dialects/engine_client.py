@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
-from engine.execution.lora import LoraAdapter, LoraRef, ModelShape
+from engine.lora_adapter import LoraAdapter, LoraRef, ModelShape
 from engine.model_info import ModelInfo
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest

@@ -1,4 +1,4 @@
-"""MindIE's native token API, ``POST /infer_token`` (SPEC §1, seeds/000).
+"""MindIE's native token API, ``POST /infer_token`` (seeds/000).
 
 The request schema with the document's ranges and defaults, its conversion into a
 GenerationRequest, and the response shapes: one JSON object, or server-sent events with
@@ -21,7 +21,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from dialects.json_types import Seed, StrictModel, TokenId, sse_event
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput
-from engine.execution.lora import LoraRef
+from engine.lora_adapter import LoraRef
 from engine.request import DraftTokens, GenerationRequest, PromptTable
 from sampling import SamplingParams
 from sampling.params import MAX_LENGTH_PENALTY, MAX_TOP_LOGPROBS
@@ -140,7 +140,7 @@ def warn_if_seed_near_max(seed: int | None) -> None:
 def to_generation_request(body: InferTokenRequest, request_id: str, deadline: float,
                           limits: ServedLimits, lora: LoraRef | None = None) -> GenerationRequest:
     """Raises ValueError naming the field for what only the served model can check. ``lora``:
-    the adapter the request's LoRA fields resolved to (``lora_fields``, then the ingress)."""
+    the adapter the request's LoRA fields resolved to (``lora_tensors``, then dialects/mindie_serving.py)."""
     p = body.parameters
     warn_if_seed_near_max(p.seed)
     vocab_size = limits.vocab_size

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from dialects import mindie
 from dialects.engine_client import EngineClient, Generation, Origin
 from dialects.openai_serving import SSE, as_api_error, raise_if_timed_out
-from engine.execution.lora import LoraRef, from_trtllm
+from engine.lora_adapter import LoraRef, from_trtllm
 
 
 class MindIEServing:

@@ -17,7 +17,7 @@ from dialects.errors import APIError
 from dialects.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, Tool
 from dialects.reasoning import ReasoningParser, reasoning_parser, template_mentions
 from dialects.tool_calls import message_tool_calls, parse_tool_calls, template_has_tool_syntax, tools_grammar
-from engine.execution.lora import LoraRef
+from engine.lora_adapter import LoraRef
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput, TokenLogprob
 from engine.request import GenerationRequest
 from sampling import SamplingParams
@@ -75,7 +75,7 @@ class OpenAIFrontend:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_iter_times = max_iter_times
-        # SPEC §2: the prompt may use what the model's length leaves after max_iter_times. A cap
+        # seeds/001 (maxIterTimes): the prompt may use what the model's length leaves after max_iter_times. A cap
         # at or above the model's length would leave nothing: then any prompt up to length - 1
         # is taken, and generation stops at the model's length (finish_reason "length").
         gap = max_model_len - max_iter_times

@@ -1,7 +1,7 @@
 """Request schemas of the OpenAI-compatible API: OpenAI's current chat-completions,
 completions and embeddings references, with MindIE's (seeds/001) and Databricks' (seeds/002)
-ranges and extensions; SPEC §2–3 has the digest. Every field OpenAI defines is declared here:
-it changes the output, or it is refused with a 400 that names it (``refuse_unsupported``), or,
+ranges and extensions. Every field OpenAI defines is declared here: it changes the output, or
+it is refused with a 400 that names it (dialects/json_types.py ``only()``), or,
 for the few that by definition change nothing here (``user``, ``metadata``, ...), it is
 accepted. Unknown fields are refused. docs/api.md has each decision.
 """

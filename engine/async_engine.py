@@ -27,7 +27,7 @@ from typing import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.execution.lora import LoraAdapter
+from engine.lora_adapter import LoraAdapter
 from engine.outputs import KVWanted, PrefillResult, RequestOutput
 from engine.request import PRIORITY_MAX, PRIORITY_MIN, GenerationRequest, Mode
 

@@ -46,7 +46,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # prompt lookup's drafts per step
     prompt_lookup_min: int = 2  # the shortest n-gram matched
     prompt_lookup_max: int = 4  # the longest, tried first
-    max_lora_rank: int = 16  # the largest LoRA rank a request's adapter may have (engine/execution/lora.py)
+    max_lora_rank: int = 16  # the largest LoRA rank a request's adapter may have (engine/lora_adapter.py)
     # D in PD: max_iter_times counts the tokens after the first, which P makes, or this engine in
     # P's place when it prefills a request locally (deployments/disaggregation.py): the same cap either way.
     first_token_from_prefill: bool = False

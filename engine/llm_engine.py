@@ -14,7 +14,7 @@ PD one KV transfer. Their first tokens are sampled together from the prompt's la
 each with its own seed (``sampling.params.choice_seed``).
 
 A decoding sequence may verify draft tokens in its step (engine/decoding/draft_steps.py), and a request
-may run with a LoRA adapter (engine/execution/lora.py) in the same steps as requests without one.
+may run with a LoRA adapter (engine/lora_adapter.py) in the same steps as requests without one.
 
 This file keeps the loop; its other jobs are mixins beside it: a request's checks
 (engine/validation.py), PREFILL's hand-over to D (engine/prefill_handover.py), beams and drafts
@@ -39,7 +39,7 @@ from engine.decoding.draft_steps import DraftSteps
 from engine.decoding.speculative import Drafter
 from engine.detokenizer import IncrementalDetokenizer
 from engine.execution.loader import load_model
-from engine.execution.lora import LoraAdapter, ModelShape
+from engine.lora_adapter import LoraAdapter, ModelShape
 from engine.execution.model_runner import ModelRunner, StepResult, kv_pool_blocks
 from engine.kv_transfer import KVPayload
 from engine.offline import OfflineRuns
@@ -107,8 +107,7 @@ class LLMEngine(RequestValidation, PrefillHandOver, BeamSteps, DraftSteps, Offli
             choices = [PendingChoice(c.index, c.seed, c.first_token_id,
                                      c.first_logprob.logprob if c.first_logprob else None) for c in prefill.choices]
         else:
-            base = request.params.seed
-            choices = [PendingChoice(j, choice_seed(base, j) if base else random.randint(1, MAX_SEED))
+            choices = [PendingChoice(j, choice_seed(request.params.seed, j) or random.randint(1, MAX_SEED))
                        for j in range(request.n)]
         seq = Sequence(request, choices[0].seed, next(self._arrivals), mode, deadline, self._kv_namespace,
                        choices[0].index, lora)

@@ -5,7 +5,7 @@ themselves (engine/async_engine.py) and use none of this.
 
 from __future__ import annotations
 
-from engine.execution.lora import LoraAdapter
+from engine.lora_adapter import LoraAdapter
 from engine.outputs import PrefillResult, RequestOutput
 from engine.request import GenerationRequest, Mode
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import torch
 
-from engine.execution.lora import LoraAdapter, LoraRef
+from engine.lora_adapter import LoraAdapter, LoraRef
 from sampling import SamplingParams
 
 PRIORITY_MIN, PRIORITY_MAX = 1, 5  # 1 is served first
@@ -62,7 +62,7 @@ class GenerationRequest:
     prompt_table: PromptTable | None = None  # p-tuning: prompt ids past the vocabulary index it
     draft: DraftTokens | None = None  # speculative decoding with the caller's drafts
     prompt_lookup: bool | None = None  # speculative decoding by prompt lookup; None: the engine's default
-    lora: LoraRef | None = None  # the LoRA adapter it runs with (engine/execution/lora.py); the engine is given its weights
+    lora: LoraRef | None = None  # the LoRA adapter it runs with (engine/lora_adapter.py); the engine is given its weights
 
     @property
     def context_token_ids(self) -> list[int]:

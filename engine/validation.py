@@ -8,8 +8,8 @@ bound and runner (for the KV layout D must import), and ``_validate_drafts``
 
 from __future__ import annotations
 
-from engine.execution.lora import LoraAdapter
 from engine.kv_transfer import check_compatible
+from engine.lora_adapter import LoraAdapter
 from engine.outputs import PrefillResult
 from engine.request import GenerationRequest, Mode
 

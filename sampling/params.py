@@ -120,9 +120,12 @@ class SamplingParams:
         return ids
 
 
-def choice_seed(seed: int, index: int) -> int:
+def choice_seed(seed: int | None, index: int) -> int | None:
     """The seed of choice ``index`` of a request seeded with ``seed``: choice 0 keeps it, the
-    others take the next ones (wrapping within [1, MAX_SEED]); independent and reproducible."""
+    others take the next ones (wrapping within [1, MAX_SEED]); independent and reproducible.
+    None for an unseeded request: the engine draws each choice's seed (and reports it)."""
+    if seed is None:
+        return None
     return seed if index == 0 else (seed + index - 1) % MAX_SEED + 1
 
 

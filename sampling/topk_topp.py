@@ -1,6 +1,6 @@
 """The native (torch) backend: ``aclnnTopKTopPSample`` semantics, batched.
 
-For each row b of logits [R, V] (SPEC §4, seeds/003, and torch_npu's reference of the operator):
+For each row b of logits [R, V] (seeds/003, and torch_npu's reference of the operator):
 1. top-k: valid when 1 <= top_k[b] <= min(V, top_k_limit); otherwise skipped for that row.
    Keep the k largest logits; ties go to the lowest token id (a stable descending sort).
 2. top-p: softmax over what top-k kept (the whole row when top-k was skipped), sort

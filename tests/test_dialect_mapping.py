@@ -30,7 +30,7 @@ from dialects.openai_api import OpenAIFrontend
 from dialects.openai_schema import ChatCompletionRequest, CompletionRequest
 from dialects.responses import ResponsesExchange, ResponseStore
 from dialects.responses_schema import ResponsesRequest
-from engine.execution.lora import LoraRef
+from engine.lora_adapter import LoraRef
 from engine.execution.tiny_model import ensure_tiny_model
 from engine.request import GenerationRequest
 

@@ -1,12 +1,28 @@
-"""The dialect room never imports Ray or the Serve room: walk the imports of every dialects/
-module, following the project's own modules (dialects, engine, sampling) transitively."""
+"""The rooms' arrows point down. The dialect room never imports Ray or the Serve room, and reaches
+the engine only through its request data: walk the imports of every dialects/ module, following
+the project's own modules transitively. Inside engine/, each module imports only from its own floor
+or the floors below it (docs/architecture.md, "Floors")."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROJECT = ("dialects", "engine", "sampling", "deployments", "benchmarks")
+PROJECT = ("dialects", "engine", "sampling", "deployments", "tools", "benchmarks")
 FORBIDDEN = ("ray", "deployments")
+# engine/'s floors, bottom first; a module is on the floor of its longest listed prefix. An engine
+# module listed nowhere is on the step loop's floor (where a new part of the engine lands).
+ENGINE_FLOORS = (
+    ("data", ("engine.config", "engine.kv_transfer", "engine.outputs", "engine.model_info", "engine.lora_adapter")),
+    ("execution", ("engine.execution",)),
+    ("request", ("engine.request", "engine.detokenizer")),
+    ("blocks", ("engine.block_manager", "engine.prefix_holds")),
+    ("scheduler", ("engine.scheduler",)),
+    ("step loop", ("engine.llm_engine", "engine.decoding", "engine.validation", "engine.prefill_handover",
+                   "engine.offline")),
+    ("front", ("engine.async_engine", "engine.cli")),
+)
+STEP_LOOP = 5
+ENGINE_DATA = ENGINE_FLOORS[0][1] + ("engine.request",)  # what a dialect may reach of the engine
 
 
 def imported_names(path: Path) -> set[str]:
@@ -59,3 +75,46 @@ def test_the_walk_sees_an_import_of_ray(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from ray import serve\n")
     assert "ray" in {name.split(".")[0] for name in imported_names(probe)}
+
+
+def test_dialects_reach_the_engine_only_through_its_request_data():
+    for module in sorted((ROOT / "dialects").glob("*.py")):
+        bad = {name: by for name, by in import_closure(module).items()
+               if name.split(".")[0] == "engine" and not name.startswith(tuple(f"{d}." for d in ENGINE_DATA))
+               and name not in ENGINE_DATA}
+        assert not bad, f"{module.relative_to(ROOT)} reaches {bad} (module: imported by)"
+
+
+def floor(module: str) -> int:
+    """The index in ENGINE_FLOORS of engine module ``module`` (or of an attribute's module)."""
+    best, where = -1, STEP_LOOP
+    for index, (_, prefixes) in enumerate(ENGINE_FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, where = len(prefix), index
+    return where
+
+
+def upward_imports(path: Path, module: str) -> dict[str, str]:
+    """The engine modules ``path`` (module ``module``) imports from a floor above its own: name -> floor."""
+    own = floor(module)
+    return {name: ENGINE_FLOORS[floor(name)][0] for name in imported_names(path)
+            if name.split(".")[0] == "engine" and floor(name) > own}
+
+
+def test_engine_imports_point_only_downward():
+    files = sorted((ROOT / "engine").rglob("*.py"))
+    assert any(f.parent.name == "execution" for f in files) and len(files) >= 20
+    for path in files:
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        bad = upward_imports(path, module)
+        assert not bad, f"{module} (floor {ENGINE_FLOORS[floor(module)][0]!r}) imports from above: {bad}"
+
+
+def test_the_floor_check_sees_an_upward_import(tmp_path):
+    """The check can fail: model execution importing the scheduler, even for a type only, is caught."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.scheduler import X\n")
+    assert upward_imports(probe, "engine.execution.model_runner") == {"engine.scheduler": "scheduler",
+                                                                      "engine.scheduler.X": "scheduler"}
+    assert upward_imports(probe, "engine.llm_engine") == {}

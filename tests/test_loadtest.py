@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from benchmarks.clients import Result
-from benchmarks.goodput import Slo, attainment, goodput, goodput_by_slo, parse_slo_grid
-from benchmarks.loadgen import Work
-from benchmarks.loadtest import main as loadtest
 from tests.serving import openai_apps
+from tools.clients import Result
+from tools.goodput import Slo, attainment, goodput, goodput_by_slo, parse_slo_grid
+from tools.loadgen import Work
+from tools.loadtest import main as loadtest
 
 VLLM_FIELDS = {"completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms",
                "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms",

@@ -1,6 +1,6 @@
-"""LoRA adapters (engine/execution/lora.py): PEFT directories and TensorRT-LLM's tensors, batched with
-other adapters and none, checked against peft's PeftModel.generate in fp32, colocated and
-split over P and D; the adapter is part of the prefix-cache key."""
+"""LoRA adapters (engine/lora_adapter.py, applied in a step by engine/execution/lora.py): PEFT
+directories and TensorRT-LLM's tensors, batched with other adapters and none, checked against
+peft's PeftModel.generate in fp32, colocated and split over P and D; the adapter is part of the prefix-cache key."""
 
 from pathlib import Path
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.execution.lora import TRTLLM_MODULES, LoraAdapter, ModelShape, from_peft, from_trtllm
+from engine.lora_adapter import TRTLLM_MODULES, LoraAdapter, ModelShape, from_peft, from_trtllm
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 from tests.models import load_hf

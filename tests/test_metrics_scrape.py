@@ -2,6 +2,7 @@
 a replica was SIGSTOPped: benchmarks/RESULTS.md, the chaos soak)."""
 
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 
 from deployments.metrics import IngressMetrics
@@ -45,3 +46,20 @@ def test_a_silent_replica_leaves_its_gauges_and_the_scrape_answers():
     text = asyncio.run(asyncio.wait_for(metrics.render(backend), 20)).decode()
     assert 'pdserve_kv_blocks{deployment="PrefillServer",state="used"} 7.0' in text
     assert 'deployment="DecodeServer"' not in text  # no answer: no gauge made up for it
+
+
+def test_each_per_deployment_gauge_reads_its_own_stats_field():
+    """The table (deployments/metrics.py METRICS) ties each gauge to its EngineStats field: distinct
+    values in, each under its own metric name out."""
+    distinct = replace(stats(blocks_used=7), running=3, prefix_cache_queries=11, prefix_cache_hits=5,
+                       prompt_tokens_computed=13, spec_decode_num_drafts=2, spec_decode_num_draft_tokens=17,
+                       spec_decode_num_accepted_tokens=9)
+    backend = SimpleNamespace(handles={"DecodeServer": SimpleNamespace(stats=Answering(distinct),
+                                                                       kv_transfers=Answering(None))})
+    text = asyncio.run(IngressMetrics().render(backend)).decode()
+    for name, value in (("pdserve_running_requests", 3), ("pdserve_prefix_cache_queries", 11),
+                        ("pdserve_prefix_cache_hits", 5), ("pdserve_prompt_tokens_computed", 13),
+                        ("pdserve_spec_decode_num_drafts", 2), ("pdserve_spec_decode_num_draft_tokens", 17),
+                        ("pdserve_spec_decode_num_accepted_tokens", 9),
+                        ("pdserve_kv_cache_usage_perc", distinct.kv_cache_usage)):
+        assert f'{name}{{deployment="DecodeServer"}} {float(value)}' in text

@@ -74,7 +74,7 @@ def test_min_p_keeps_tokens_within_the_ratio_of_the_best(logits):
     assert tokens <= allowed and len(tokens) == len(allowed)
 
 
-# ---- the operator's formula, checked by hand (SPEC §4) -----------------------------------
+# ---- the operator's formula, checked by hand (seeds/003) -----------------------------------
 
 def fixed_noise(q: torch.Tensor):
     """q [R, V] read as the operator reads it: q[b, j] for row b's j-th candidate."""

@@ -121,3 +121,4 @@ def test_choice_seeds_are_the_next_seeds_wrapping_within_the_seed_range():
     assert [choice_seed(1234, i) for i in range(4)] == [1234, 1235, 1236, 1237]
     assert [choice_seed(MAX_SEED - 1, i) for i in range(4)] == [MAX_SEED - 1, MAX_SEED, 1, 2]
     assert choice_seed(MAX_SEED, 1) == 1
+    assert [choice_seed(None, i) for i in range(2)] == [None, None]  # unseeded: the engine draws each

@@ -13,7 +13,7 @@ from ray import serve
 from deployments.app import colocated_app, pd_app
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.execution.lora import ModelShape, from_peft, from_trtllm
+from engine.lora_adapter import ModelShape, from_peft, from_trtllm
 from engine.request import GenerationRequest
 from engine.execution.tiny_model import ensure_tiny_model
 from sampling import SamplingParams

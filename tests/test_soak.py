@@ -1,7 +1,7 @@
 """The chaos soak (issue 30) in the suite: two minutes of mixed load in both dialects against a PD app
 (1 P, 2 D, float32, batch-invariant, the fault hook on), with a fault every 40 s (a stall and a kill,
 each proven), clients that leave at random points and hostile inputs, checking every invariant of
-benchmarks/soak_invariants.py. Before it, in-process: each invariant fails on the evidence of the
+tools/soak_invariants.py. Before it, in-process: each invariant fails on the evidence of the
 defect it names (a request ended twice, a wrong token, a hostile input answered 500, Ray's names in
 an error, a block held, object-store bytes not returned, RSS growth, an unproven fault)."""
 
@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.soak_invariants import check, reference_key
-from benchmarks.soak_mix import Record, Work, hostile, pool
+from tools.soak_invariants import check, reference_key
+from tools.soak_mix import Record, Work, hostile, pool
 
 REFERENCE = {0: "hello world"}
 
@@ -93,14 +93,14 @@ def test_the_mix_covers_both_dialects_and_every_hostile_kind_is_marked():
     assert len({reference_key(w) for w in pool()}) == len(pool())  # each its own reference
 
 
-MINI_SOAK_S = 60  # the ten-minute soak is benchmarks/soak.py's (RESULTS.md); here both faults and their recovery
+MINI_SOAK_S = 60  # the ten-minute soak is tools/soak.py's (RESULTS.md); here both faults and their recovery
 FAULT_EVERY_S = 20  # faults at 20 s and 40 s, before the schedule's last 10 s
 
 
 @pytest.mark.slow
 def test_a_one_minute_soak_with_faults_and_hostile_input_keeps_every_invariant():
-    from benchmarks.soak import deploy, run_soak, table
     from tests.serving import serve_session
+    from tools.soak import deploy, run_soak, table
 
     with serve_session() as base_url:  # the suite's shared Ray; the app is deleted on the way out
         url = deploy(base_url, "pd")

@@ -1,6 +1,6 @@
 """The model runner owns the device: the weights, the KV pool, the forward and the sampler.
 
-``run`` turns a ScheduledBatch into one flat batch of tokens, runs one forward over it,
+``run`` turns a step (engine/execution/step_inputs.py StepBatch) into one flat batch of tokens, runs one forward over it,
 computes logits only for the rows that sample (and, for a request that asked for prompt
 logprobs or context logits, the rows of its prompt chunk), and samples them. Before the forward it writes
 imported KV and makes the block copies of copy-on-write.
@@ -16,15 +16,13 @@ import numpy as np
 import torch
 
 from engine.execution.attention import AttentionSeq, batch_invariant_supported, select_backend
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_transfer import KVMeta, numpy_to_tensor, tensor_to_numpy
 from engine.execution.loader import LoadedModel
 from engine.execution.model import RMSNorm
+from engine.execution.step_inputs import KVBlocks, StepBatch, StepSequence
 from engine.execution.lora import LoraStacks, LoraStep
 from engine.outputs import TokenLogprob
-from engine.request import Sequence
-from engine.scheduler import ScheduledBatch
 from sampling import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 
 if TYPE_CHECKING:  # imported where used: it needs Triton, which a CPU install need not have
@@ -40,7 +38,7 @@ BATCH_INVARIANT_ROWS = 32
 class PromptScores:
     """The logprobs of prompt tokens [first, first + len(entries)) of ``seq``, scored this step."""
 
-    seq: Sequence
+    seq: StepSequence
     first: int
     entries: list[TokenLogprob]
 
@@ -49,7 +47,7 @@ class PromptScores:
 class ContextRows:
     """The raw logits of prompt positions [first, first + len(logits)) of ``seq``, computed this step."""
 
-    seq: Sequence
+    seq: StepSequence
     first: int
     logits: torch.Tensor  # [t, V] float32, on the host
 
@@ -95,7 +93,7 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, blocks: BlockManager, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, blocks: KVBlocks, config: EngineConfig) -> None:
         self.loaded = loaded
         self.blocks = blocks
         self.device = loaded.device
@@ -154,7 +152,7 @@ class ModelRunner:
                       spec.num_kv_heads, spec.head_dim, num_tokens, start)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, rows: list[SamplingRow], rows_per_entry: list[int]) -> StepResult:
+    def run(self, batch: StepBatch, rows: list[SamplingRow], rows_per_entry: list[int]) -> StepResult:
         """One forward over every entry of ``batch``; sample ``rows_per_entry[i]`` rows from the
         last token of each entry that reaches its end (``rows``, in entry order: one per choice
         when a prompt's choices are sampled together; with k drafts, one per position of the
@@ -212,7 +210,7 @@ class ModelRunner:
         logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [R, V]
         return self._sample_step(logits, rows, scores, context)
 
-    def _graph_eligible(self, batch: ScheduledBatch, flat: int, rows_per_entry: list[int], table_rows: list,
+    def _graph_eligible(self, batch: StepBatch, flat: int, rows_per_entry: list[int], table_rows: list,
                         to_score: list, to_keep: list) -> bool:
         """Whether this step replays a CUDA graph: every entry one decode row that samples once,
         nothing the graph does not compute (LoRA, prompt tables, scores, context logits)."""
@@ -230,7 +228,7 @@ class ModelRunner:
             kept = logits[:, :self.loaded.spec.vocab_size].to("cpu", torch.float32, copy=True)
         return StepResult(self._sample(logits, rows), scores, context, kept)
 
-    def _lora_step(self, batch: ScheduledBatch, num_rows: int) -> LoraStep | None:
+    def _lora_step(self, batch: StepBatch, num_rows: int) -> LoraStep | None:
         """The step's LoRA deltas: each entry's rows get its sequence's adapter (engine/execution/lora.py);
         None when no entry has one. The stacked weights are kept while the adapters stay the same."""
         adapters = {id(seq.lora): seq.lora for seq, _ in batch.entries if seq.lora is not None}
@@ -291,13 +289,13 @@ class ModelRunner:
             src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
             by_block[:, :, dst] = by_block[:, :, src]
 
-    def export_kv(self, seq: Sequence, start: int = 0) -> np.ndarray:
+    def export_kv(self, seq: StepSequence, start: int = 0) -> np.ndarray:
         """The KV of tokens [start, seq.num_tokens) as one array [L, 2, T, Hkv, D]: in PREFILL mode, the
         prompt and a resumed request's earlier output, every one computed."""
         slots = torch.tensor(self.blocks.slots(seq, start, seq.num_tokens), device=self.device)
         return tensor_to_numpy(self.kv_cache[:, :, slots])
 
-    def import_kv(self, seq: Sequence, first: int) -> None:
+    def import_kv(self, seq: StepSequence, first: int) -> None:
         """Write the pending payload's tokens [first, its num_tokens) into ``seq``'s slots; the
         tokens before ``first`` are already there (prefix-cache hits)."""
         payload = seq.pending_kv

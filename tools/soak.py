@@ -2,15 +2,15 @@
 failure contract. Nothing lost, nothing leaked.
 
 Deploys the PD app (1 P, 2 D; or ``--app colocated``, 2 engine replicas) in float32, batch-invariant,
-with the fault hook on, on loopback. Takes every pool request's fault-free answer (benchmarks/soak_mix.py),
+with the fault hook on, on loopback. Takes every pool request's fault-free answer (tools/soak_mix.py),
 measures capacity with a short closed loop, then offers ``--load`` (0.7) of it open-loop for
 ``--minutes``: both dialects, every feature the app serves, 10% of clients leaving at random points,
-5% hostile inputs, and a fault every ``--fault-every-s`` (benchmarks/soak_faults.py), each proven.
+5% hostile inputs, and a fault every ``--fault-every-s`` (tools/soak_faults.py), each proven.
 Every answer is checked as it ends; once the load drains, what the replicas hold, Ray's object
 store and the processes' RSS (sampled every ``--rss-every-s``) are checked too
-(benchmarks/soak_invariants.py). Prints a JSON summary and a table; exits 1 if an invariant failed.
+(tools/soak_invariants.py). Prints a JSON summary and a table; exits 1 if an invariant failed.
 
-    python benchmarks/soak.py [--minutes 10] [--app pd|colocated] [--fault-every-s 60] [--out DIR]
+    python tools/soak.py [--minutes 10] [--app pd|colocated] [--fault-every-s 60] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.soak_faults import FaultInjector, kinds, roles  # noqa: E402
-from benchmarks.soak_invariants import RSS_GROWTH_BOUND, check, outcome, reference_key, rss_growth  # noqa: E402
-from benchmarks.soak_mix import Record, Work, hostile, pool, reference, send  # noqa: E402
+from tools.soak_faults import FaultInjector, kinds, roles  # noqa: E402
+from tools.soak_invariants import RSS_GROWTH_BOUND, check, outcome, reference_key, rss_growth  # noqa: E402
+from tools.soak_mix import Record, Work, hostile, pool, reference, send  # noqa: E402
 from tests.serving import holding, migrations, processes, replicas, wait_until  # noqa: E402
 
 APP = "soak"
@@ -346,7 +346,7 @@ def table(summary: dict) -> str:
 
 def write_rss(summary: dict, out: Path) -> Path:
     """RSS over time: a PNG (matplotlib is a benchmark dependency), one line per process."""
-    from benchmarks.plots import plt, _save
+    from tools.plots import plt, _save
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for name, rows in summary["rss_mib"].items():

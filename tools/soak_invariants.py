@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from benchmarks.soak_mix import Record
 from tests.serving import RAY_INTERNALS
+from tools.soak_mix import Record
 
 CLEAN_ERROR_CODES = {"replica_unavailable", "engine_timeout", "timeout"}  # docs/serving.md's failure table
 RSS_GROWTH_BOUND = 0.10

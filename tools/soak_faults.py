@@ -1,6 +1,6 @@
-"""The soak's faults: the kill matrix's list (benchmarks/faults.py) plus a stopped P and a stuck engine
+"""The soak's faults: the kill matrix's list (tools/faults.py) plus a stopped P and a stuck engine
 step, each injected for real and proven, with the seconds until the role was whole again (the time
-to detect a stall is read from the clients' streams: benchmarks/soak.py).
+to detect a stall is read from the clients' streams: tools/soak.py).
 
 Each fault returns a dict: ``kind``, ``at`` (monotonic seconds), ``proof``, ``proven``,
 ``recovered_s`` (the role back to its replica count), ``until`` (the fault's window ends).

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.clients import Result
+from tools.clients import Result
 
 ATTAINMENT_TARGET = 0.9  # DistServe's 90%
 DEFAULT_SLO_GRID = "ttft:1000,2000,4000 tpot:30,50,100"  # milliseconds

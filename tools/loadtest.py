@@ -34,10 +34,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.clients import ENDPOINTS, Result, send  # noqa: E402
-from benchmarks.goodput import attainment, goodput_by_slo, parse_slo_grid, print_goodput_table  # noqa: E402
-from benchmarks.loadgen import Work, arrival_gaps, workloads  # noqa: E402
-from benchmarks.stats import parse_goodput, per_priority, summarize  # noqa: E402
+from tools.clients import ENDPOINTS, Result, send  # noqa: E402
+from tools.goodput import attainment, goodput_by_slo, parse_slo_grid, print_goodput_table  # noqa: E402
+from tools.loadgen import Work, arrival_gaps, workloads  # noqa: E402
+from tools.stats import parse_goodput, per_priority, summarize  # noqa: E402
 
 
 def check_loopback(base_url: str) -> None:
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.quiet:
             print_table(run)
     if args.plot:
-        from benchmarks.plots import write_plots
+        from tools.plots import write_plots
 
         write_plots(args.plot, runs)
     for run in runs:

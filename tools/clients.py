@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from benchmarks.loadgen import Work
+from tools.loadgen import Work
 
 ENDPOINTS = {"infer_token": "/infer_token", "chat": "/v1/chat/completions", "completions": "/v1/completions"}
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 
-from benchmarks.clients import Result
+from tools.clients import Result
 
 PERCENTILES = (50, 90, 99)
 

@@ -1,5 +1,5 @@
 """The soak's requests: a seeded pool of legitimate requests in both dialects, hostile inputs, and
-the client that sends one and records everything the invariants need (benchmarks/soak_invariants.py).
+the client that sends one and records everything the invariants need (tools/soak_invariants.py).
 
 Every legitimate request is greedy or seeded sampling in float32 on a batch-invariant app, so a
 fault-free run of it gives one exact answer (its reference, taken before any fault). ``pool``

@@ -9,7 +9,7 @@ text), migrations, tokens repeated or dropped (a text that is not a prefix of th
 KV blocks held on P and D and object-store bytes once the load drained, and seconds from the
 fault until a new request succeeds.
 
-    python benchmarks/faults.py [--streams 8] [--tokens 300] [--json PATH]
+    python tools/faults.py [--streams 8] [--tokens 300] [--json PATH]
 """
 
 from __future__ import annotations
