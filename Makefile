@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 UV     := uv==0.13.9
 
-.PHONY: install lock serve browser test bench bench-vllm clean mutants mutants-report
+.PHONY: install lock serve browser redis test bench bench-vllm clean mutants mutants-report
 
 # The install is locked: requirements.lock pins every package but torch (`make lock` remakes it
 # from pyproject.toml's ranges). uv installs those exact versions, in parallel, resolving nothing.
@@ -68,7 +68,11 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 browser:
 	test -x /usr/bin/chromedriver || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium chromium-driver; }
 
-test: install browser
+# tests/test_gcs_fault_tolerance.py starts Debian's redis-server: GCS fault tolerance's external store.
+redis:
+	test -x /usr/bin/redis-server || { $(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server; }
+
+test: install browser redis
 	$(PY) -m pytest -q
 
 bench: install

@@ -14,13 +14,14 @@ import asyncio
 from collections import Counter
 import functools
 from contextlib import aclosing
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from ray.serve.handle import DeploymentHandle
 
 from deployments import routing
-from deployments.disaggregation import NO_PLAN, Decision, DisaggregationPolicy
-from deployments.failures import KVLeaseExpired
+from deployments.decode_watch import DecodeWatch
+from deployments.disaggregation import NO_DECODE_REPLICA, NO_PLAN, Decision, DisaggregationPolicy
+from deployments.failures import DecodeDown, KVLeaseExpired, NoDecodeReplica
 from deployments.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.liveness import taken_then_watched, watched
 from deployments.streams import cancel_on_exit
@@ -66,12 +67,20 @@ class PDBackend:
     replica. A D replica must take the request within ``kv_lease_s``; one that does not (stalled,
     or never reached) has its call cancelled and the request fails with ``KVLeaseExpired``, a
     replica failure: deployments/migration.py prefills it again. One that stops once it has taken
-    the request fails it with ``ReplicaStalled`` after ``stall_timeout_s`` (liveness.py)."""
+    the request fails it with ``ReplicaStalled`` after ``stall_timeout_s`` (liveness.py).
+
+    While no D replica can answer (``DecodeWatch``, deployments/decode_watch.py), P serves new
+    requests whole, as a colocated engine, and a request waiting for a D to take its KV fails with
+    ``DecodeDown`` (a replica failure: it moves to P); with ``degrade_to_prefill`` off, new requests
+    fail at once with ``NoDecodeReplica`` (a clean 503) instead."""
 
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, kv_lease_s: float,
-                 stall_timeout_s: float, policy: DisaggregationPolicy, kv: KVConnector | None = None) -> None:
+                 stall_timeout_s: float, policy: DisaggregationPolicy, kv: KVConnector | None = None,
+                 degrade_to_prefill: bool = True) -> None:
         """``kv``: the app's KV connector (``kv_transport``), the one its P and D use."""
         self.prefill, self.decode = prefill, decode
+        self.watch = DecodeWatch(decode, stall_timeout_s / 4, stall_timeout_s)
+        self.degrade_to_prefill = degrade_to_prefill
         self.kv_lease_s, self.stall_timeout_s = kv_lease_s, stall_timeout_s
         self.policy = policy
         self.kv: KVConnector = kv or ObjectStoreConnector()
@@ -84,7 +93,12 @@ class PDBackend:
                      disaggregate: bool = False) -> AsyncIterator[RequestOutput]:
         """The request's outputs, from D alone or from P then D; ``trace`` learns each engine's
         times and the KV fetch. ``disaggregate``: through P and D whatever the policy says, and
-        not counted (the health canary, which checks both)."""
+        not counted (the health canary, which checks both; P alone while no D answers)."""
+        if self.watch.down():
+            async with aclosing(self.prefill_only(request, trace, counted=not disaggregate)) as outputs:
+                async for output in outputs:
+                    yield output
+            return
         num_tokens = request.num_context_tokens
         plan = None
         per_replica = self.prefill_tokens_in_flight / routing.replica_count("PrefillServer")
@@ -119,6 +133,19 @@ class PDBackend:
             async for output in outputs:
                 yield output
 
+    async def prefill_only(self, request: GenerationRequest, trace: RequestTrace | None = None,
+                           counted: bool = True) -> AsyncIterator[RequestOutput]:
+        """No D replica answers: P serves the whole request (its engine decodes too), counted as a
+        ``prefill_only`` decision; NoDecodeReplica instead with degradation off."""
+        if not self.degrade_to_prefill:
+            raise NoDecodeReplica("no decode replica answers and pd_degrade_to_prefill is off")
+        if counted:
+            self.decisions["prefill_only", NO_DECODE_REPLICA] += 1
+        call = self.prefill.options(stream=True, _by_reference=False).generate.remote(request)
+        async with aclosing(_served(call, self.stall_timeout_s, trace)) as outputs:
+            async for output in outputs:
+                yield output
+
     async def prefill_step(self, request: GenerationRequest, kv_export_start: int = 0) -> PrefillReply:
         """P's reply, with the handle to its KV (owned here) from token ``kv_export_start`` on,
         when D is to go on. ReplicaStalled if P does not take the call, or stops sending heartbeats,
@@ -142,21 +169,20 @@ class PDBackend:
         lease. ``pinned``: the D replica that holds the prefix P's KV continues. Taking the
         request, D holds its own handle to the KV: the ingress drops its own."""
         call = self.decode.options(stream=True).decode.remote(request, reply, pinned=pinned)
-        return _served(call, self.stall_timeout_s, trace, self.kv_lease_s, lambda: self.kv.release(reply))
+        return _served(call, self.stall_timeout_s, trace, self.kv_lease_s, lambda: self.kv.release(reply),
+                       self.watch.until_down)
 
 
 async def _served(call, stall_timeout_s: float, trace: RequestTrace | None, lease_s: float | None = None,
-                  on_taken: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
+                  on_taken: Callable[[], None] | None = None,
+                  until_down: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
     """A streaming engine call's outputs: its ``Accepted`` first (within ``lease_s`` when given:
-    KVLeaseExpired otherwise; ``on_taken`` then), then the outputs of each batch it sends, in
-    order, while it shows signs of life (liveness.py). Its KV fetch and its engine's times go to
-    ``trace``: a call that took P's KV decodes, any other prefilled too."""
+    KVLeaseExpired otherwise; DecodeDown if ``until_down()`` returns first; ``on_taken`` then),
+    then the outputs of each batch it sends, in order, while it shows signs of life (liveness.py).
+    Its KV fetch and its engine's times go to ``trace``: a call that took P's KV decodes, any
+    other prefilled too."""
     async with aclosing(cancel_on_exit(call)) as items:
-        try:
-            accepted = await asyncio.wait_for(anext(items), lease_s)
-        except TimeoutError:
-            raise KVLeaseExpired(f"no decode replica took the request within the {lease_s:g} s "
-                                 "lease of its KV") from None
+        accepted = await _taken(anext(items), lease_s, until_down)
         if on_taken is not None:
             on_taken()
         async for item in watched(items, stall_timeout_s, accepted.replica):
@@ -170,3 +196,32 @@ async def _served(call, stall_timeout_s: float, trace: RequestTrace | None, leas
                 elif trace:
                     trace.record_decode(output)
                 yield output
+
+
+async def _taken(accepted: Awaitable, lease_s: float | None, until_down: Callable[[], Awaitable[None]] | None):
+    """``accepted``'s result; KVLeaseExpired past ``lease_s`` (None: no bound), DecodeDown if
+    ``until_down()`` returns first. The losers are cancelled."""
+    if until_down is None:  # the common path: no task of its own
+        try:
+            return await asyncio.wait_for(accepted, lease_s)
+        except TimeoutError:
+            raise _lease_expired(lease_s) from None
+    taken = asyncio.ensure_future(accepted)
+    down = asyncio.ensure_future(until_down())
+    waiting = {taken, down}
+    try:
+        done, _ = await asyncio.wait(waiting, timeout=lease_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+    if taken in done:
+        return taken.result()
+    if down in done:
+        raise DecodeDown("no decode replica answers: the request moves before its KV lease ends")
+    raise _lease_expired(lease_s)
+
+
+def _lease_expired(lease_s: float) -> KVLeaseExpired:
+    return KVLeaseExpired(f"no decode replica took the request within the {lease_s:g} s lease of its KV")
+

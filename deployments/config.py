@@ -58,6 +58,9 @@ class AppArgs(BaseModel):
         "object_store", description="PD: how P's KV reaches D (deployments/kv_connector.py): Ray's object store "
         "(any placement), or shared_memory (/dev/shm; P, D and the ingress on one host, any raylets of it: "
         "deployments/kv_direct.py)")
+    pd_degrade_to_prefill: bool = Field(
+        True, description="PD: while no decode replica answers (dead, stopped, stuck: deployments/decode_watch.py), "
+        "prefill replicas serve requests whole, as colocated engines; off: such requests get a 503 at once")
     stall_timeout_s: float = Field(5.0, gt=0, description="seconds without a token or a heartbeat after which "
                                    "the ingress takes a streaming replica for stalled and moves its request "
                                    "(deployments/liveness.py); the replica says it is alive 4 times as often")

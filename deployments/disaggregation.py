@@ -28,6 +28,9 @@ recent time per token plus the rest's prefill would pass the target: a local pre
 decoding sequence's next token by its own time (DistServe's prefill-decode interference). D
 holding 80% of its KV or more also keeps the long rests of ``prefill_busy`` off it.
 
+- ``no_decode_replica`` (counted under where ``prefill_only``): no D replica answers
+  (deployments/decode_watch.py): P computes the prompt and decodes it too, as a colocated engine.
+
 A failure never changes the decision: a request whose P or D fails migrates
 (deployments/migration.py) and is decided again there.
 """
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 
 DECODE_BUSY_KV_USAGE = 0.8  # above it, D is not given prompts P could compute
 NO_PLAN = "no_plan"
+NO_DECODE_REPLICA = "no_decode_replica"  # no D answers: P serves the whole request
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,19 @@ class PrefixLost(Exception):
     replica died or left (deployments/servers.py)."""
 
 
+class DecodeDown(Exception):
+    """A request waited for a D replica to take its KV while none could answer
+    (deployments/decode_watch.py): it moves, to P alone when degradation is on."""
+
+
+class NoDecodeReplica(Exception):
+    """No D replica can answer and the app does not degrade to P-only decoding
+    (``pd_degrade_to_prefill`` off): the request ends with a clean 503 at once."""
+
+
 # What Ray and Serve raise when a replica died, is unreachable or lost an object; and a replica
 # that did not take its KV in time or stalled mid-stream, which the ingress treats the same way.
-REPLICA_FAILURES = (RayError, RayServeException, KVLeaseExpired, ReplicaStalled, PrefixLost)
+REPLICA_FAILURES = (RayError, RayServeException, KVLeaseExpired, ReplicaStalled, PrefixLost, DecodeDown)
 REPLICA_RETRY_AFTER_S = 1  # Retry-After of a 503 when a replica failed: Serve routes around it, or restarts it
 logger = logging.getLogger("ray.serve")
 
@@ -56,6 +66,9 @@ def client_error(error: BaseException) -> APIError:
     if isinstance(cause, ValueError):  # the engines' checks of a request: "<field>: <rule>"
         return from_value_error(cause)
     logger.warning("request failed: %s: %s", type(cause).__name__, cause)
+    if isinstance(cause, NoDecodeReplica):
+        return APIError(503, "no decode replica is available; retry it", code="no_decode_replica",
+                        retry_after=REPLICA_RETRY_AFTER_S)
     if isinstance(cause, REPLICA_FAILURES):
         return APIError(503, "a replica serving this request failed or is unavailable; retry it",
                         code="replica_unavailable", retry_after=REPLICA_RETRY_AFTER_S)

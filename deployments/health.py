@@ -10,6 +10,12 @@ checks share its result), bounded by ``CANARY_TIMEOUT_S``, and on failure answer
 each deployment that is missing, pending or failing, and why, from Ray Serve's own status
 (which names the resources a replica that cannot be placed asked for). However often ``/health``
 is polled, canaries run at most once per ``FRESH_S`` while they succeed.
+
+In PD, while no D replica can answer (dead in the registry, or silent to the ingress's probes for
+``stall_timeout_s``: deployments/decode_watch.py), the app serves on P alone (``pd_degrade_to_prefill``):
+``/health`` is then 200 with ``"status": "degraded"`` and the reason, its canary through P alone; with
+degradation off, 503 naming D. A D replica whose KV fetch runs past its deadline (a stuck transfer
+path, as the probes report it) is a 503 naming D too.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ FRESH_S = 10.0  # a canary younger than this answers /health without a new one
 CANARY_TIMEOUT_S = 5.0
 STATUS_TIMEOUT_S = 2.0
 LIVE_CACHE_S = 0.5  # /health reads the live replicas at most this often: one registry call, whatever the polling
+NO_ANSWER = "no decode replica answers"
 CANARY_PROMPT_TOKENS = 32  # two KV blocks at the default block size: D must hold a short prompt
 # Ray Serve's deployment states, as /health names them.
 STATES = {"HEALTHY": "healthy", "UPSCALING": "healthy", "DOWNSCALING": "healthy", "UPDATING": "pending",
@@ -47,6 +54,7 @@ class CanaryResult:
     at: float  # time.monotonic() when it ended
     deployment: str | None = None  # where it failed
     reason: str | None = None
+    prefill_only: bool = False  # it went through P alone: no D answered (PD degraded)
 
 
 def canary_request(timeout_s: float) -> GenerationRequest:
@@ -108,16 +116,31 @@ class Readiness:
         """(ready, body). 503 at once for a deployment without a live replica; else runs a canary
         unless a recent one succeeded."""
         dead = await self.without_replicas()
-        if dead:
+        pd = isinstance(self.backend, PDBackend)
+        decode_down = pd and ("DecodeServer" in dead or self.backend.watch.down())
+        failing = {name: "no live replica" for name in dead}
+        if decode_down and self.backend.degrade_to_prefill:
+            failing.pop("DecodeServer", None)  # P serves alone: degraded, not down
+        elif decode_down:
+            failing.setdefault("DecodeServer", NO_ANSWER)
+        if pd and (stuck := self.backend.watch.transfers())["past_deadline"]:
+            failing.setdefault("DecodeServer", f"{stuck['past_deadline']} KV transfer(s) past their deadline, "
+                                               f"the oldest {stuck['oldest_s']:.0f} s old")
+        if failing:
             self.last = None  # a canary from before the loss says nothing of the replicas that replace it
             states = {name: {"status": "healthy"} for name in self.expected}
-            states.update({name: {"status": "failing", "reason": "no live replica"} for name in dead})
+            states.update({name: {"status": "failing", "reason": reason} for name, reason in failing.items()})
             return False, {"status": "unavailable", "deployments": states}
         async with self._lock:  # one canary at a time; a waiter reads the result it left
-            if not (self.last and self.last.ok and time.monotonic() - self.last.at < FRESH_S):
-                self.last = await self.canary()
+            if not (self.last and self.last.ok and time.monotonic() - self.last.at < FRESH_S
+                    and self.last.prefill_only == decode_down):
+                self.last = await self.canary(prefill_only=decode_down)
         if self.last.ok:
-            return True, {"status": "ok", "canary_age_s": round(time.monotonic() - self.last.at, 3)}
+            age = round(time.monotonic() - self.last.at, 3)
+            if decode_down:
+                return True, {"status": "degraded", "reason": f"{NO_ANSWER}: prefill replicas decode",
+                              "canary_age_s": age}
+            return True, {"status": "ok", "canary_age_s": age}
         deployments = await self.deployment_states()
         if self.last.deployment and deployments.get(self.last.deployment, {}).get("status") == "healthy":
             deployments[self.last.deployment] = {"status": "failing", "reason": self.last.reason}
@@ -145,9 +168,10 @@ class Readiness:
                 dead.append(name)
         return dead
 
-    async def canary(self) -> CanaryResult:
-        """One short request through every engine deployment, and the embedder's info call."""
-        names = list(self.backend.handles)
+    async def canary(self, prefill_only: bool = False) -> CanaryResult:
+        """One short request through every engine deployment (P alone when ``prefill_only``), and
+        the embedder's info call."""
+        names = list(self.backend.handles)[:1] if prefill_only else list(self.backend.handles)
         reached = 0  # outputs seen: P answered once the first token is back
         try:
             async with asyncio.timeout(CANARY_TIMEOUT_S):
@@ -155,7 +179,8 @@ class Readiness:
                 request = canary_request(CANARY_TIMEOUT_S)
                 # In PD, through P and D whatever the policy says: both are checked.
                 pd = isinstance(self.backend, PDBackend)
-                stream = self.backend.stream(request, disaggregate=True) if pd else self.backend.stream(request)
+                stream = (self.backend.prefill_only(request, counted=False) if prefill_only else
+                          self.backend.stream(request, disaggregate=True) if pd else self.backend.stream(request))
                 async for output in stream:
                     reached += 1
                     if output.error:
@@ -167,13 +192,13 @@ class Readiness:
         except Exception as error:
             where = names[min(reached, len(names) - 1)]
             logger.warning("health canary failed at %s: %s", where, describe(error))
-            return CanaryResult(False, time.monotonic(), where, describe(error))
+            return CanaryResult(False, time.monotonic(), where, describe(error), prefill_only)
         if self.embedder is not None:
             try:
                 await asyncio.wait_for(self.embedder.info.remote(), CANARY_TIMEOUT_S)
             except Exception as error:
-                return CanaryResult(False, time.monotonic(), "EmbeddingServer", describe(error))
-        return CanaryResult(True, time.monotonic())
+                return CanaryResult(False, time.monotonic(), "EmbeddingServer", describe(error), prefill_only)
+        return CanaryResult(True, time.monotonic(), prefill_only=prefill_only)
 
     async def deployment_states(self) -> dict[str, dict]:
         """Each deployment of this application but the ingress: its state and, if not healthy, why."""

@@ -6,7 +6,16 @@ receiver split the job:
 - P, the sender (``send``): P's reply, carrying the KV's metadata but never its bytes, then the bytes;
 - the ingress, the owner (``claim``, ``release``): it holds the bytes' handle from P's reply until a
   D replica has taken the request, and that handle keeps the bytes alive even if P dies;
-- D, the receiver (``load``): it fetches the bytes, once its engine holds blocks for them.
+- D, the receiver (``load``): it fetches the bytes, once its engine holds blocks for them, through
+  ``fetch``: bounded by ``deadline_s`` from the moment the fetch starts (not from the request's
+  arrival: it may first wait in D's queue), and counted while in flight and when it fails, by cause
+  (``transfer_health``: /metrics and /health read it through the ingress's probe of D).
+
+No transport writes into the engine's blocks: the bytes land in the transport's own buffer (the
+object store's copy, the segment's mapping) and the engine copies them into the blocks in one step
+once the fetch has ended (``receive_kv``), and drops bytes for a request that ended meanwhile. So a
+fetch cancelled or past its deadline leaves blocks that are free to reuse at once; a transport that
+wrote into blocks (RDMA) would have to hold them until it knows the transfer stopped.
 
 The engine's side of the hand-off (D allocates blocks before the bytes move, the request waits in
 ``RECEIVING``, ``receive_kv``, aborts free the blocks) is in engine/ and knows no transport. The
@@ -18,6 +27,8 @@ transport implements ``KVConnector``'s four methods; the engine, the servers and
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import asyncio
+from collections import Counter
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 import time
@@ -26,6 +37,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import numpy as np
 from ray.serve.handle import DeploymentResponseGenerator
 
+from deployments.failures import KVLeaseExpired
 from deployments.tracing import KVTransfer
 from engine.kv_transfer import KVPayload
 from engine.outputs import PrefillResult, RequestOutput
@@ -44,11 +56,52 @@ class PrefillReply:
     kv: list = field(default_factory=list)
 
 
-class KVConnector(ABC):
-    """A transport for P's KV. One instance per process; each side calls only its own methods."""
+class KVTransferTimeout(KVLeaseExpired):
+    """D's fetch of a request's KV did not end within its deadline: the request is prefilled again."""
 
-    def __init__(self) -> None:
+
+class KVConnector(ABC):
+    """A transport for P's KV. One instance per process; each side calls only its own methods.
+    ``deadline_s``: how long D's fetch of one request's KV may take from its start (the app's ``kv_lease_s``)."""
+
+    def __init__(self, deadline_s: float = 30.0) -> None:
+        self.deadline_s = deadline_s
         self.transfers = {"count": 0, "bytes": 0, "seconds": 0.0}  # D: fetches into this replica so far
+        self.in_flight: dict[str, float] = {}  # D: request id -> time.monotonic() its fetch started
+        self.failed: Counter[str] = Counter()  # D: fetches that did not end with the bytes, by cause
+        self.hang_next_s = 0.0  # D: the next fetch's added delay (the tests' fault hook, DecodeServer.hang_next_fetch)
+
+    async def fetch(self, request_id: str, reply: PrefillReply) -> tuple[np.ndarray, KVTransfer]:
+        """D: ``load``, within ``deadline_s`` of its start (KVTransferTimeout otherwise: a replica
+        failure, the request is prefilled again), counted in ``transfer_health``."""
+        self.in_flight[request_id] = time.monotonic()
+        try:
+            return await asyncio.wait_for(self._delayed_load(reply), self.deadline_s)
+        except TimeoutError:
+            self.failed["deadline"] += 1
+            raise KVTransferTimeout(f"the KV fetch did not end within {self.deadline_s:g} s of its start") from None
+        except asyncio.CancelledError:  # the request ended while its KV was in transit (a client went away)
+            self.failed["cancelled"] += 1
+            raise
+        except Exception as error:
+            self.failed[type(error).__name__] += 1
+            raise
+        finally:
+            del self.in_flight[request_id]
+
+    async def _delayed_load(self, reply: PrefillReply) -> tuple[np.ndarray, KVTransfer]:
+        if self.hang_next_s:
+            delay, self.hang_next_s = self.hang_next_s, 0.0
+            await asyncio.sleep(delay)
+        return await self.load(reply)
+
+    def transfer_health(self) -> dict:
+        """D: ``transfers`` so far, fetches in flight now, the oldest one's age (s), those past
+        ``deadline_s`` (a fetch whose cancellation did not take), and failures by cause."""
+        now = time.monotonic()
+        ages = [now - start for start in self.in_flight.values()]
+        return {**self.transfers, "in_flight": len(ages), "oldest_s": max(ages, default=0.0),
+                "past_deadline": sum(age > self.deadline_s for age in ages), "failed": dict(self.failed)}
 
     def _counted(self, transfer: KVTransfer) -> KVTransfer:
         """D: ``transfer`` added to ``transfers``."""
@@ -125,7 +178,7 @@ def make_kv_connector(transport: str = "object_store", lease_s: float = 30.0) ->
     from deployments.kv_direct import SharedMemoryConnector  # it imports this module
 
     if transport == "object_store":
-        return ObjectStoreConnector()
+        return ObjectStoreConnector(lease_s)
     if transport == "shared_memory":
         return SharedMemoryConnector(lease_s)
     raise ValueError(f"kv_transport: must be one of {', '.join(KV_TRANSPORTS)}, got {transport!r}")

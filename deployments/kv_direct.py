@@ -92,7 +92,7 @@ class SharedMemoryConnector(KVConnector):
     ingress to claim it before P's sweep takes it (the app's ``kv_lease_s``)."""
 
     def __init__(self, lease_s: float) -> None:
-        super().__init__()
+        super().__init__(lease_s)
         self.lease_s = lease_s
 
     def send(self, outputs: list[RequestOutput]) -> Iterator[PrefillReply]:

@@ -7,7 +7,8 @@ deployments at scrape time, queue depth
 by priority, KV blocks used / cached / free and the usage fraction, prefix-cache queries and
 hits (tokens, as vLLM counts them), speculative decoding's drafts and accepted tokens (as
 vLLM names them), requests ended by finish reason, and KV bytes moved from P to D; and, in PD,
-where each prompt was computed and why, and whose its tokens were.
+where each prompt was computed and why (``prefill_only``: P served it whole, no D answering), how
+many D replicas answer, and whose its tokens were.
 Deployment figures come from the replica a handle call reaches (one per deployment per
 scrape).
 """
@@ -92,6 +93,16 @@ METRICS = (
            "ratio under autoscaling)", DEPLOYMENT),
     Metric("pd_decisions", Gauge, "pdserve_pd_prefill_decisions", "PD requests by where their prompt was computed "
            "(decode: on D, prefill: on P) and why (deployments/disaggregation.py)", ("where", "reason")),
+    Metric("pd_decode_answering", Gauge, "pdserve_pd_decode_replicas_answering", "PD: decode replicas that "
+           "answered the ingress's probe within stall_timeout_s; 0: P serves alone (prefill_only decisions) or, "
+           "degradation off, requests get a 503"),
+    Metric("kv_in_flight", Gauge, "pdserve_kv_transfers_in_flight", "PD: KV fetches D replicas have started and "
+           "not ended (every D replica answering the ingress's probe)"),
+    Metric("kv_oldest", Gauge, "pdserve_kv_transfer_oldest_seconds", "PD: age of the oldest KV fetch in flight"),
+    Metric("kv_past_deadline", Gauge, "pdserve_kv_transfers_past_deadline", "PD: KV fetches in flight past their "
+           "deadline (kv_lease_s from their start): a stuck transfer path"),
+    Metric("kv_failed", Gauge, "pdserve_kv_transfers_failed", "PD: KV fetches that ended without the bytes, by "
+           "cause (deadline, cancelled: the request ended meanwhile, or the error's name)", ("cause",)),
     Metric("pd_prompt_tokens", Gauge, "pdserve_pd_prompt_tokens", "PD prompt tokens by who had them: decode_cache "
            "(D held their KV), decode (D computed them), prefill (P computed and sent them)", ("source",)),
 )
@@ -144,6 +155,14 @@ class IngressMetrics:
                 self.finished.labels(name, reason).set(count)
         for (where, reason), count in getattr(backend, "decisions", {}).items():
             self.pd_decisions.labels(where, reason).set(count)
+        if (watch := getattr(backend, "watch", None)) is not None:
+            self.pd_decode_answering.set(len(watch.answering()))
+            fetches = watch.transfers()
+            self.kv_in_flight.set(fetches["in_flight"])
+            self.kv_oldest.set(fetches["oldest_s"])
+            self.kv_past_deadline.set(fetches["past_deadline"])
+            for cause, count in fetches["failed"].items():
+                self.kv_failed.labels(cause).set(count)
         for source, count in getattr(backend, "prompt_tokens", {}).items():
             self.pd_prompt_tokens.labels(source).set(count)
         for name, count in (await running_replicas()).items():

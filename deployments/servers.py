@@ -82,8 +82,7 @@ class _EngineServer:
     def hang_next_step(self, seconds: float) -> None:
         """The tests' fault hook: the engine's next step hangs ``seconds`` (AsyncEngine.hang_next_step).
         Refused unless the replica's environment has PDSERVE_FAULT_HOOKS=1; no HTTP route calls it."""
-        if os.environ.get("PDSERVE_FAULT_HOOKS") != "1":
-            raise PermissionError("fault hooks are off (PDSERVE_FAULT_HOOKS=1 turns them on, for tests)")
+        _fault_hooks_on()
         self.engine.hang_next_step(seconds)
 
     def __del__(self) -> None:
@@ -170,6 +169,19 @@ class PrefillServer(_StreamingServer):
         return {"queued_prompt_tokens": self.engine.stats().queued_prompt_tokens}
 
 
+def _fault_hooks_on() -> None:
+    if os.environ.get("PDSERVE_FAULT_HOOKS") != "1":
+        raise PermissionError("fault hooks are off (PDSERVE_FAULT_HOOKS=1 turns them on, for tests)")
+
+
+@dataclass
+class DecodeAnswer:
+    """A D replica's answer to the ingress's probe (``DecodeServer.answering``)."""
+
+    replica: str  # its Serve id
+    transfers: dict  # its KV fetches (KVConnector.transfer_health)
+
+
 @dataclass
 class DecodePlan:
     """A D replica's answer before P works (``DecodeServer.plan``)."""
@@ -215,13 +227,25 @@ class DecodeServer(_StreamingServer):
         async for batch in self.engine.decode_batches(request, reply.handoff, lora):
             outputs = [item for item in batch if not isinstance(item, KVWanted)]
             if len(outputs) < len(batch):  # KVWanted: no token can precede it (they need the KV)
-                data, transfer = await self.kv.load(reply)
+                data, transfer = await self.kv.fetch(request.request_id, reply)
                 self.engine.receive_kv(request.request_id, data)
                 yield transfer
             if outputs:
                 previous = self.meter.sent(outputs, previous)
                 yield outputs
 
+    def answering(self, pinned: str | None = None) -> DecodeAnswer | None:
+        """This replica's id and KV fetches while it can serve (``responsive``), else None: the
+        ingress's probe of D (deployments/decode_watch.py), ``pinned`` to the replica it asks."""
+        return DecodeAnswer(replica_id(), self.kv.transfer_health()) if self.responsive() else None
+
+    def hang_next_fetch(self, seconds: float) -> None:
+        """The tests' fault hook: this replica's next KV fetch takes ``seconds`` longer, as over a slow
+        or stuck link (KVConnector.fetch); refused as ``hang_next_step`` is."""
+        _fault_hooks_on()
+        self.kv.hang_next_s = seconds
+
     def kv_transfers(self) -> dict:
-        """Transfers into this replica so far: count, bytes, seconds."""
-        return dict(self.kv.transfers)
+        """Transfers into this replica so far: count, bytes, seconds; in flight now, the oldest's age,
+        past their deadline, failed by cause (KVConnector.transfer_health)."""
+        return self.kv.transfer_health()

@@ -1,6 +1,7 @@
 """Faults, injected for real, against the failure contract (docs/serving.md): a D replica killed
 mid-stream (one of two), a D replica stopped mid-stream (one of two), the one colocated replica
-killed mid-stream, P killed between its reply and D's fetch, D stopped through every KV lease.
+killed mid-stream, P killed between its reply and D's fetch, every D stopped (P serves alone, then PD
+comes back).
 Each fault is proven (a replica or process is gone or still stopped, the ingress counted
 migrations); every stream completes with the tokens a fault-free run gives (seeded sampling too:
 the migrated continuation is the same sampling process) or ends with its dialect's clean error;
@@ -10,10 +11,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import re
 import threading
 import time
 
 import httpx
+import psutil
 import pytest
 import ray
 from ray import serve
@@ -26,7 +29,7 @@ from dialects.errors import APIError
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 from tests.serving import (RAY_INTERNALS, assert_nothing_held, call_replica, deploy, migrations, processes,
-                           replica_process, replicas, serve_session, sigkill, stopped)
+                           replica_process, replicas, serve_session, sigkill, stopped, wait_until)
 
 LONG = 800  # tokens a stream asks for: it is still running when the replica is killed (~5 s of decoding here)
 DECODE_REPLICAS = 2
@@ -42,7 +45,9 @@ def base_url():
         # colocated in bfloat16, so each exact-text assertion holds in both.
         deploy({"pd": pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
                               "kv_lease_s": KV_LEASE_S, "stall_timeout_s": STALL_TIMEOUT_S,
-                              "pd_local_prefill_tokens": 0}, decode_options={"num_replicas": DECODE_REPLICAS}),
+                              "pd_local_prefill_tokens": 0},
+                             decode_options={"num_replicas": DECODE_REPLICAS, "ray_actor_options": {  # fault hooks on
+                                 "num_cpus": 1, "runtime_env": {"env_vars": {"PDSERVE_FAULT_HOOKS": "1"}}}}),
                 "co": colocated_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False,
                                      "dtype": "bfloat16", "batch_invariant": True})}, {"pd": "/"})
         for app_url in (url, f"{url}/co"):  # each ingress has learnt its engines before any fault
@@ -182,11 +187,13 @@ def test_decode_replica_stopped_mid_stream_its_streams_move_and_complete_while_i
 
 def serving_resumes(url: str, killed: str, role: str = "DecodeServer", count: int = DECODE_REPLICAS) -> None:
     """Serve replaces the killed replica of ``role`` (bounded wait) and a new request through the
-    ingress succeeds: the next test starts with every replica the app had, none of them dead."""
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and (killed in replicas(role, "pd") or len(replicas(role, "pd")) < count):
-        time.sleep(0.5)
-    assert killed not in replicas(role, "pd") and len(replicas(role, "pd")) == count
+    ingress succeeds: the next test starts with every replica the app had running, none of them dead
+    or still starting (a starting replica's actor is listed, but does not answer until its engine is up)."""
+    def replaced() -> bool:
+        running = serve.status().applications["pd"].deployments[role].replica_states.get("RUNNING", 0)
+        return killed not in replicas(role, "pd") and len(replicas(role, "pd")) == count == running
+
+    assert wait_until(replaced, 300, 0.5), serve.status().applications["pd"].deployments[role]
     eventually_ok(url)
 
 
@@ -245,25 +252,104 @@ def test_prefill_killed_after_its_reply_before_decode_fetched_the_kv(base_url):
     serving_resumes(base_url, killed, "PrefillServer", 1)
 
 
+def pd_metric(url: str, name: str, labels: str = "") -> float:
+    """A sample of the PD app's /metrics (0 when absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.search(rf"^{name}{re.escape('{' + labels + '}') if labels else ''} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def served_by_p_alone(url: str) -> float:
+    return pd_metric(url, "pdserve_pd_prefill_decisions", 'reason="no_decode_replica",where="prefill_only"')
+
+
+DEGRADED_PROMPT = 400  # tokens of each prompt, as in the issue's report (8 such requests hung 60 s)
+
+
+def degraded_body(i: int, stream: bool = False) -> dict:
+    prompt = [1] + [(37 * i + 11 * j) % 880 + 5 for j in range(DEGRADED_PROMPT - 1)]  # ids < tiny-llama's 891
+    return {"input_id": prompt, "stream": stream,
+            "parameters": {"max_new_tokens": 16, "ignore_eos": True, "do_sample": False, "details": True}}
+
+
 @pytest.mark.slow
-def test_a_kv_lease_that_expires_prefills_again_then_ends_cleanly(base_url):
-    path, body = bodies(True)[2]  # MindIE, greedy
-    body = {**body, "input_id": [1, 60, 61, 62]}
-    before = migrations(base_url)
-    with stopped("DecodeServer"):  # no D fetches anything: every lease expires
-        with httpx.stream("POST", f"{base_url}{path}", json=body, timeout=300) as response:
-            assert response.status_code == 200
-            events = events_of(response.iter_lines())
-    assert migrations(base_url) == before + 3  # the default max_migrations, each a prefill again
-    last = events[-1]
-    assert last["details"]["finish_reason"] == "stop_sequence" and last["details"]["err_msg"], last
-    # Each prefill again gave the next token of the same greedy continuation: never a wrong one.
-    tokens = [e["token"]["text"] or "" for e in events if e["token"] is not None]  # a last event's text is null
-    assert len(tokens) == 4 and last["details"]["generated_tokens"] == 4
-    eventually_ok(base_url)  # serving goes on once D runs again
-    # The fault-free greedy continuation's start (16 tokens of it: greedy, its first 4 are these).
-    start = {**body, "stream": False, "parameters": {**body["parameters"], "max_new_tokens": 16}}
-    assert reference_text(base_url, path, start).startswith("".join(tokens))
+def test_no_decode_replica_answering_p_serves_alone_then_pd_comes_back(base_url):
+    """Every D SIGSTOPped (nothing dies, Ray reports nothing): the ingress's probes go unanswered, and
+    within about stall_timeout_s /health says degraded; the request that waited for a D with its
+    first token sent moves to P and completes there; 8 new requests with 400-token prompts (the
+    issue's reproduction: all hung until the client's 60 s) are served by P alone with the tokens
+    PD gives. After SIGCONT, D answers again and new requests go through P then D."""
+    path = "/infer_token"
+    references = [reference_text(base_url, path, degraded_body(i)) for i in range(9)]  # through P and D
+    alone_before, migrated_before = served_by_p_alone(base_url), migrations(base_url)
+    decode = processes("DecodeServer")
+    with stopped("DecodeServer"):
+        stopped_at = time.monotonic()
+        with httpx.stream("POST", f"{base_url}{path}", json=degraded_body(8, stream=True), timeout=60) as waiting:
+            assert waiting.status_code == 200  # P's first token: the request now waits for a D to take its KV
+            lines = waiting.iter_lines()
+            first = events_of([next(line for line in lines if line.startswith("data: "))])
+
+            def degraded() -> bool:
+                body = httpx.get(f"{base_url}/health", timeout=30).json()
+                return body["status"] == "degraded" and "no decode replica" in body["reason"]
+
+            assert wait_until(degraded, 60, 0.1)
+            print(f"\n/health: degraded {time.monotonic() - stopped_at:.2f} s after every D was stopped "
+                  f"(stall_timeout_s={STALL_TIMEOUT_S})")
+            waited = first + events_of(lines)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: httpx.post(f"{base_url}{path}", json=degraded_body(i), timeout=60),
+                                    range(8)))
+        assert all(p.is_running() and p.status() == psutil.STATUS_STOPPED for p in decode)  # the fault held
+        assert pd_metric(base_url, "pdserve_pd_decode_replicas_answering") == 0
+    assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers if a.status_code != 200]
+    assert [a.json()["generated_text"] for a in answers] == references[:8]
+    assert waited[-1]["generated_text"] == references[8] and waited[-1]["details"]["generated_tokens"] == 16
+    assert migrations(base_url) == migrated_before + 1  # the waiting one moved, once
+    assert served_by_p_alone(base_url) == alone_before + 9
+    # D runs again: it answers the probes, /health is ok again, and new requests go through P then D.
+    assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).json()["status"] == "ok", 120, 0.5)
+    alone = served_by_p_alone(base_url)
+    assert reference_text(base_url, path, degraded_body(0)) == references[0]
+    assert served_by_p_alone(base_url) == alone
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pd", 120)
+
+
+def client_leaves_mid_fetch(url: str, app: str) -> None:
+    """A client leaves while D fetches its request's KV (every D's fault hook holds its next fetch in
+    flight, as a stuck link would): D's fetch is cancelled and counted, no replica holds anything for
+    the request, and a later request, on the blocks it held, gives a clean run's tokens."""
+    # 15 prompt tokens, less than a KV block: no D finds them in its prefix cache after the clean
+    # run, so the faulted request's D must fetch them from P.
+    path = "/infer_token"
+    body = {"input_id": [1] + [101 + j for j in range(14)], "stream": True,
+            "parameters": {"max_new_tokens": 16, "ignore_eos": True, "do_sample": False, "details": True}}
+    clean = reference_text(url, path, body)
+    cancelled_before = pd_metric(url, "pdserve_kv_transfers_failed", 'cause="cancelled"')
+    decode = replicas("DecodeServer", app)
+    for name in decode:
+        call_replica(name, "hang_next_fetch", 3600.0)
+    try:
+        with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as response:
+            assert response.status_code == 200  # P's first token: the KV is on its way to D
+            next(line for line in response.iter_lines() if line.startswith("data: "))
+            # The fault, proven: D reports the fetch in flight (through the ingress's probes, /metrics).
+            assert wait_until(lambda: pd_metric(url, "pdserve_kv_transfers_in_flight") == 1, 60, 0.2)
+        # the client has gone
+        assert wait_until(lambda: pd_metric(url, "pdserve_kv_transfers_failed", 'cause="cancelled"')
+                          == cancelled_before + 1, 60, 0.2)
+        assert pd_metric(url, "pdserve_kv_transfers_in_flight") == 0
+    finally:
+        for name in decode:  # the hook of the replica the request did not reach is still set
+            call_replica(name, "hang_next_fetch", 0.0)
+    assert_nothing_held(["PrefillServer", "DecodeServer"], app, 120)
+    assert reference_text(url, path, body) == clean
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_while_d_fetches_its_kv_over_the_object_store_leaves_nothing_held(base_url):
+    client_leaves_mid_fetch(base_url, "pd")
 
 
 @pytest.mark.slow

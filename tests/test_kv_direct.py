@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from deployments import kv_direct
 from deployments.config import AppArgs
-from deployments.kv_connector import ObjectStoreConnector, PrefillReply, make_kv_connector
+from deployments.failures import replica_failed
+from deployments.kv_connector import KVTransferTimeout, ObjectStoreConnector, PrefillReply, make_kv_connector
 from deployments.kv_direct import KVSegmentGone, KVUnreachable, SharedMemoryConnector, segments
 from deployments.liveness import Accepted, taken_then_watched
 from engine.kv_transfer import KVMeta, KVPayload
@@ -148,3 +149,47 @@ def test_the_app_picks_its_transport_and_refuses_an_unknown_one():
         AppArgs(kv_transport="nixl")
     with pytest.raises(ValueError, match="kv_transport: must be one of object_store, shared_memory"):
         make_kv_connector("nixl")
+
+
+def test_d_fetch_is_bounded_from_its_own_start_counted_and_a_late_one_leaves_no_segment(no_segment_left):
+    """The deadline starts when D's fetch starts, not when P replied: a fetch that waited longer than
+    the deadline in D's queue still runs; one that does not end within it (the fault hook's delay, a
+    stuck link) fails as a replica failure, counted by cause, and the request's segment goes with it."""
+    connector = SharedMemoryConnector(0.3)
+    data = np.ones((2, 2, 5, 1, 8), np.float32)
+
+    async def queued_then_fetched():
+        reply = await claimed(connector, connector.send(p_outputs(data)))
+        await asyncio.sleep(0.5)  # in D's queue, past the deadline
+        loaded, _ = await connector.fetch("r", at_d(reply))
+        return loaded
+
+    assert asyncio.run(queued_then_fetched()).tobytes() == data.tobytes()
+
+    async def stuck():
+        reply = await claimed(connector, connector.send(p_outputs(data)))
+        connector.hang_next_s = 3600.0
+        with pytest.raises(KVTransferTimeout) as late:
+            await connector.fetch("r", at_d(reply))
+        assert replica_failed(late.value) and connector.transfer_health()["failed"] == {"deadline": 1}
+
+    asyncio.run(stuck())  # the ingress's lease ended with the request: its segment is gone (the fixture checks)
+    assert connector.transfer_health()["in_flight"] == 0
+
+
+def test_a_fetch_cancelled_in_transit_is_counted_and_leaves_no_segment(no_segment_left):
+    connector = SharedMemoryConnector(LEASE_S)
+
+    async def cancelled():
+        reply = await claimed(connector, connector.send(p_outputs(np.ones((2, 2, 5, 1, 8), np.float32))))
+        connector.hang_next_s = 3600.0
+        fetch = asyncio.ensure_future(connector.fetch("r", at_d(reply)))
+        while not connector.transfer_health()["in_flight"]:  # in transit: the fault happens mid-fetch
+            await asyncio.sleep(0.01)
+        assert connector.transfer_health()["oldest_s"] >= 0
+        fetch.cancel()  # the client went away: Serve cancels D's call
+        await asyncio.gather(fetch, return_exceptions=True)
+
+    asyncio.run(cancelled())
+    health = connector.transfer_health()
+    assert health["failed"] == {"cancelled": 1} and health["in_flight"] == 0

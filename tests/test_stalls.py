@@ -3,7 +3,10 @@ replicas: a P replica SIGSTOPped with requests in its engine (they complete on t
 requests sent while it is stopped; its blocks return after SIGCONT), an engine step that does not end
 (the fault hook: the replica stops its heartbeats, its streams move and complete, Serve replaces it),
 a burst past the admission bound in all three dialects (each request ends at once with 200 or a
-clean 503 with Retry-After, in its dialect's shape), and /health turning 503 once D is killed.
+clean 503 with Retry-After, in its dialect's shape), and, as the app does not degrade to P-only
+decoding, every D stopped answered by a clean 503 at once and /health turning 503 once D is killed.
+Its KV goes through shared memory (tests/test_faults.py's app: the object store), so a client that
+leaves mid-fetch is tried over both transports.
 
 Each fault is proven (a stopped process still runs, the migration counter moved, a replaced replica is
 gone from Ray's registry). The measured detection delays are printed (``pytest -s``), not asserted:
@@ -22,8 +25,9 @@ from deployments.app import pd_app
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from tests.serving import (RAY_INTERNALS, assert_nothing_held, call_replica, migrations, processes, replica_process,
-                           replicas, serve_session, sigkill, stopped, wait_until)
-from tests.test_faults import LONG, reference_texts, streams_running
+                           replicas, serve_session, sigkill, stopped, wait_until, work_done)
+from deployments.kv_direct import segments
+from tests.test_faults import LONG, client_leaves_mid_fetch, reference_texts, streams_running
 
 APP = "stalls"
 STALL_TIMEOUT_S = 3
@@ -42,7 +46,8 @@ def base_url():
                    "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": {"PDSERVE_FAULT_HOOKS": "1"}}}}
         serve.run(pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
                           "kv_lease_s": 6, "stall_timeout_s": STALL_TIMEOUT_S, "step_timeout_s": STEP_TIMEOUT_S,
-                          "pd_local_prefill_tokens": 0, "admission_tokens_per_replica": TOKENS_PER_REPLICA},
+                          "pd_local_prefill_tokens": 0, "admission_tokens_per_replica": TOKENS_PER_REPLICA,
+                          "pd_degrade_to_prefill": False, "kv_transport": "shared_memory"},
                          prefill_options=options, decode_options=options), name=APP, route_prefix=f"/{APP}")
         url = f"{url}/{APP}"
         assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, 180, 1)
@@ -183,24 +188,70 @@ def test_a_burst_past_the_admission_bound_ends_at_once_200_or_a_clean_503_in_eac
     print(f"\nburst: {len(dialects) - len(refused)} admitted (200), {len(refused)} refused (503, Retry-After: 1)")
 
 
+def first_503(url: str, timeout_s: float) -> tuple[httpx.Response, int, float]:
+    """/health polled every 0.1 s until a 503 (bounded): that answer, the polls, the seconds it took."""
+    answers, start = [], time.monotonic()
+
+    def unavailable() -> bool:
+        answers.append(httpx.get(f"{url}/health", timeout=30))
+        return answers[-1].status_code == 503
+
+    assert wait_until(unavailable, timeout_s, 0.1)
+    return answers[-1], len(answers), time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_without_degradation_no_decode_replica_answering_is_a_clean_503_at_once(base_url):
+    """This app does not degrade to P-only decoding (pd_degrade_to_prefill off). Every D SIGSTOPped:
+    within about stall_timeout_s /health is 503 naming D, and new requests get a clean 503 in their
+    dialect at once, before P computes anything (never a wait for a KV lease). After SIGCONT, 200."""
+    requests = [("/infer_token", {"input_id": [1, 80, 81, 82],
+                                  "parameters": {"max_new_tokens": 8, "ignore_eos": True}}),
+                ("/v1/completions", {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8})]
+    for path, body in requests:  # served (and the model's details known to the ingress) before the fault
+        assert httpx.post(f"{base_url}{path}", json=body, timeout=60).status_code == 200
+    with stopped("DecodeServer", APP):
+        answer, polls, seconds = first_503(base_url, 60)
+        print(f"\n/health: 503 {seconds:.2f} s after every D was stopped ({polls} polls, every 0.1 s; "
+              f"stall_timeout_s={STALL_TIMEOUT_S}, no degradation)")
+        assert "DecodeServer" in answer.json()["deployments"], answer.json()
+
+        # A failed canary or Serve's own health check may name D first; the ingress's probes say
+        # "no decode replica answers" once stall_timeout_s has passed without an answer.
+        def probes_say_down() -> bool:
+            body = httpx.get(f"{base_url}/health", timeout=30).json()
+            return body.get("deployments", {}).get("DecodeServer") == {"status": "failing",
+                                                                       "reason": "no decode replica answers"}
+
+        assert wait_until(probes_say_down, 60, 0.1)
+        prompts_before = work_done("PrefillServer", APP)["prompt_tokens_computed"]  # the canary's, if any, done
+        refused = [httpx.post(f"{base_url}{path}", json=body, timeout=30) for path, body in requests]
+        assert work_done("PrefillServer", APP)["prompt_tokens_computed"] == prompts_before  # P never asked
+    for response in refused:
+        assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
+        assert response.json()["error"]["code"] == "no_decode_replica", response.text
+        assert not RAY_INTERNALS.search(response.text), response.text
+    assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).status_code == 200, 180, 0.5)
+    assert httpx.post(f"{base_url}{requests[0][0]}", json=requests[0][1], timeout=60).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_while_d_maps_its_kv_segment_leaves_nothing_held_and_no_segment(base_url):
+    before = set(segments())
+    client_leaves_mid_fetch(base_url, APP)
+    assert wait_until(lambda: not set(segments()) - before, 60, 0.2), set(segments()) - before
+
+
 @pytest.mark.slow
 def test_health_turns_503_once_every_decode_replica_is_killed(base_url):
     assert httpx.get(f"{base_url}/health", timeout=30).status_code == 200
     for process in processes("DecodeServer", APP):
         sigkill(process)
-    killed_at = time.monotonic()
-    answers = []
-
-    def unavailable() -> bool:
-        answers.append(httpx.get(f"{base_url}/health", timeout=30))
-        return answers[-1].status_code == 503
-
     # The verdict is the body's reason below (the registry, not a canary's timeout); 180 s only ends a hang.
-    assert wait_until(unavailable, 180, 0.1)
-    print(f"\n/health: 503 {time.monotonic() - killed_at:.2f} s after D was killed ({len(answers)} polls, "
-          f"every 0.1 s)")
+    answer, polls, seconds = first_503(base_url, 180)
+    print(f"\n/health: 503 {seconds:.2f} s after D was killed ({polls} polls, every 0.1 s)")
     # Said by the replicas' registry, not by a canary that timed out (which would take up to FRESH_S + 5 s).
-    body = answers[-1].json()
+    body = answer.json()
     assert body["deployments"]["DecodeServer"] == {"status": "failing", "reason": "no live replica"}, body
     assert "canary" not in body, body
     # Serve starts new D replicas; /health says so once a canary goes through them.
