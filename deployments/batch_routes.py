@@ -3,8 +3,10 @@ replica: the store (deployments/batch_store.py), the runner draining batches
 (deployments/batch_runner.py) and the per-key rate limiter (deployments/rate_limits.py).
 
 ``serve_batches`` sets them up in the ingress replica and starts the runner; the routes reach
-them through ``app.state`` (they are plain FastAPI routes of the ingress's app, not methods of
-the Ingress). Shapes and checks are the dialect's (dialects/files_api.py, dialects/batches_api.py).
+them through ``request.app.state`` (they are plain FastAPI routes of the ingress's app, not methods
+of the Ingress). The app it is given is the one the replica serves: Serve ships the ingress class
+with a copy of the module's app, so ``deployments.http_app.app`` imported in the replica is
+another object, whose state no route reads. Shapes and checks are the dialect's (dialects/files_api.py, dialects/batches_api.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from typing import Literal
 import uuid
 
-from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi import APIRouter, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 import httpx
 from ray import serve
@@ -24,7 +26,7 @@ from ray import serve
 from deployments.batch_runner import BatchRunner
 from deployments.batch_store import BatchStore
 from deployments.config import AppArgs
-from deployments.http_app import app
+from deployments.http_app import app as module_app
 from deployments.metrics import IngressMetrics
 from deployments.rate_limits import RateLimiter
 from dialects import batches_api, files_api
@@ -44,10 +46,10 @@ class BatchService:
     task: asyncio.Task  # the runner's, held here: the event loop keeps only a weak reference to it
 
 
-def serve_batches(args: AppArgs, engine_handles: dict, metrics: IngressMetrics) -> RateLimiter:
-    """Set up the store, the rate limiter and the runner in this ingress replica (``app.state``),
-    and start the runner; returns the limiter. ``engine_handles``: the engine deployments whose
-    queues pace the runner."""
+def serve_batches(app: FastAPI, args: AppArgs, engine_handles: dict, metrics: IngressMetrics) -> RateLimiter:
+    """Set up the store, the rate limiter and the runner in this ingress replica (``app.state`` of
+    ``app``, the app the replica serves), and start the runner; returns the limiter.
+    ``engine_handles``: the engine deployments whose queues pace the runner."""
     app_name = serve.get_replica_context().app_name
     limiter = RateLimiter(args.rate_limits, app_name, metrics.registry)
     app.state.rate_limits = limiter
@@ -55,7 +57,7 @@ def serve_batches(args: AppArgs, engine_handles: dict, metrics: IngressMetrics) 
     if app.state.api_key is not None and args.rate_limits.keys:  # the listed keys are API keys too
         app.state.api_key = [app.state.api_key, *args.rate_limits.api_keys()]
     store = BatchStore(Path(args.batch_dir).expanduser() / app_name)  # each app its own files and batches
-    runner = BatchRunner(store, in_process_sender(args.api_key.get_secret_value() if args.api_key else None),
+    runner = BatchRunner(store, in_process_sender(app, args.api_key.get_secret_value() if args.api_key else None),
                          engines_waiting(engine_handles), f"ingress-{uuid.uuid4().hex}", args.batch_max_in_flight,
                          args.batch_lease_s)
     task = asyncio.get_running_loop().create_task(runner.run())
@@ -64,7 +66,7 @@ def serve_batches(args: AppArgs, engine_handles: dict, metrics: IngressMetrics) 
     return limiter
 
 
-def in_process_sender(api_key: str | None):
+def in_process_sender(app: FastAPI, api_key: str | None):
     """A batch line sent to this replica's own app, in process: the route, validation, admission and
     limits a client's request meets, counted against the batch's key (``rate_key``, which no
     client can set)."""
@@ -203,4 +205,4 @@ def _batch(batches: BatchService, batch_id: str) -> dict:
     return doc
 
 
-app.include_router(router)
+module_app.include_router(router)  # before Serve copies the app: the copy has these routes
