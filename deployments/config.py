@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from deployments.disaggregation import DisaggregationPolicy
+from deployments.rate_limits import RateLimits
 from engine.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from engine.execution.loader import TINY_LLAMA
 
@@ -116,6 +117,19 @@ class AppArgs(BaseModel):
                     "x-api-key); /health, /metrics, /openapi.json and /docs stay open. Default: the environment's "
                     "PDSERVE_API_KEY, else unset (vLLM's --api-key / VLLM_API_KEY)")
     embeddings: bool = Field(True, description="serve /v1/embeddings (all-MiniLM-L6-v2) in its own deployment")
+    batch_dir: str = Field(
+        default_factory=lambda: os.environ.get("PDSERVE_BATCH_DIR", "~/.pdserve/batches"),
+        description="where /v1/files and /v1/batches keep their state (SQLite and the files' bytes); a path on "
+        "storage every ingress replica reaches for a cluster (docs/operations.md). Default: the environment's "
+        "PDSERVE_BATCH_DIR, else ~/.pdserve/batches")
+    max_file_bytes: int = Field(200 << 20, gt=0, description="the largest file /v1/files stores (bytes)")
+    max_batch_lines: int = Field(50000, gt=0, description="the most requests (lines) a batch input file may hold")
+    batch_max_in_flight: int = Field(8, gt=0, description="batch lines each ingress replica keeps in flight at "
+                                     "most; fewer while interactive requests wait (deployments/batch_runner.py)")
+    batch_lease_s: float = Field(10.0, gt=0, description="seconds a batch stays with the ingress replica driving "
+                                 "it after its last sign of life; then another replica (or its successor) goes on")
+    rate_limits: RateLimits = Field(default_factory=RateLimits, description="per-key requests and tokens per "
+                                    "minute (deployments/rate_limits.py); none by default")
     traces_exporter: Literal["none", "console"] = Field(
         "none", description="OpenTelemetry spans of each request: none, or console (the ingress's stdout)")
 

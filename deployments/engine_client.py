@@ -73,6 +73,9 @@ class ServeEngineClient:
         self._tokenizer = None
         self._lora_names: dict[str, LoraRef] | None = None
         self._lora_shape: ModelShape | None = None
+        # (stream, key name, request) -> the stream, its tokens counted against the key: RateLimiter.metered
+        self.meter: Callable[[AsyncIterator[RequestOutput], str, GenerationRequest], AsyncIterator[RequestOutput]] = (
+            lambda stream, key_name, request: stream)
 
     async def model_info(self) -> ModelInfo:
         """What the engines serve; a 503 within ENGINE_WAIT_S while one of them does not answer."""
@@ -119,7 +122,7 @@ class ServeEngineClient:
         except Overloaded as error:  # at once, never a wait: deployments/admission.py
             raise APIError(503, str(error), code="overloaded", retry_after=error.retry_after) from None
         resilient = migrating(lambda r: self.backend.stream(r, trace), request, self.max_migrations, on_migrate)
-        stream = admitted(traced(resilient, trace, self.end_trace), ticket)
+        stream = self.meter(admitted(traced(resilient, trace, self.end_trace), ticket), origin.key_name, request)
         try:
             first = await stream.__anext__()
         except Exception as error:

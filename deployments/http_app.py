@@ -48,7 +48,8 @@ GENERATION = {200: {"content": {"application/json": {}, SSE: {}}},
 @app.middleware("http")
 async def limit_and_count(request: Request, call_next):
     """401 on a model route without the API key (dialects/auth.py), 413 for bodies over the cap,
-    each in the route's dialect; count every request by endpoint, status and priority."""
+    429 past the key's rate limits, each in the route's dialect; count every request by endpoint,
+    status and priority."""
     request.state.arrival = time.time()  # the start of the request's trace (deployments/tracing.py)
     path, refusal = auth.route_path(request.scope), None
     if not auth.is_open(path):
@@ -57,11 +58,14 @@ async def limit_and_count(request: Request, call_next):
         except APIError as error:
             refusal = error.response()
             refusal.headers["WWW-Authenticate"] = "Bearer"
-    limit = request.app.state.max_body_bytes
+    # An upload to /v1/files has its own bound (max_file_bytes, with room for the form around it).
+    limit = request.app.state.max_body_bytes if path != "/v1/files" else request.app.state.max_upload_bytes
     declared = request.headers.get("content-length")
     if refusal is None and (int(declared) > limit if declared and declared.isdigit()
                             else len(await request.body()) > limit):
         refusal = error_response(413, f"the request body exceeds {limit} bytes", None, "body_too_large")
+    if refusal is None and (limiter := getattr(request.app.state, "rate_limits", None)) is not None:
+        refusal = await limiter.refusal(request, path)  # 429 past the key's limits: deployments/rate_limits.py
     if refusal is not None:
         response = anthropic.from_openai_error(refusal) if anthropic.is_route(path) else refusal
     else:

@@ -20,6 +20,7 @@ from ray import serve
 from deployments import routing
 from deployments.admission import Admission
 from deployments.backends import ColocatedBackend, PDBackend
+from deployments.batch_routes import serve_batches
 from deployments.config import AppArgs
 from deployments.engine_client import ServeEngineClient
 from deployments.health import Readiness
@@ -52,7 +53,7 @@ def served_settings(args: AppArgs, pd: bool, serves_lora: bool) -> ServedSetting
 def origin(http: Request, dialect: str, priority: int) -> Origin:
     """The request's origin for its trace; its priority labels the request counter (http_app.py)."""
     http.state.priority = priority
-    return Origin(dialect, http.headers.get("x-request-id"), http.state.arrival)
+    return Origin(dialect, http.headers.get("x-request-id"), http.state.arrival, http.state.rate_key)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -80,6 +81,8 @@ class Ingress(OperationRoutes):
         app.state.metrics = self.metrics
         app.state.max_body_bytes = args.max_body_bytes
         app.state.api_key = args.api_key.get_secret_value() if args.api_key is not None else None
+        # /v1/files, /v1/batches and per-key limits; each engine request's tokens count against its key
+        self.engines.meter = serve_batches(app, args, self.backend.handles, self.metrics).metered
         self._openapi: dict | None = None
         self.responses = responses.ResponseStore()  # /v1/responses' stored responses: this replica's only
         self.readiness = Readiness(self.backend, embedder)

@@ -24,16 +24,17 @@ def is_open(path: str) -> bool:
     return (path or "/") in OPEN_PATHS  # "": the route prefix itself (/pd)
 
 
-def check_api_key(api_key: str | None, headers: Mapping[str, str], x_api_key: bool = False) -> None:
-    """A 401 unless the request carries ``api_key`` (none needed when it is None). ``x_api_key``:
-    the route also takes it in Anthropic's header. Compared in constant time."""
+def check_api_key(api_key: str | list[str] | None, headers: Mapping[str, str], x_api_key: bool = False) -> None:
+    """A 401 unless the request carries ``api_key`` (or one of them; none needed when it is None).
+    ``x_api_key``: the route also takes it in Anthropic's header. Compared in constant time."""
     if api_key is None:
         return
+    keys = [api_key] if isinstance(api_key, str) else api_key
     authorization = headers.get("authorization") or ""
     scheme, _, given = authorization.partition(" ")
     candidates = [given.strip()] if scheme.lower() == "bearer" else []
     if x_api_key and headers.get("x-api-key") is not None:
         candidates.append(headers["x-api-key"])
-    if not any(hmac.compare_digest(c.encode(), api_key.encode()) for c in candidates):
+    if not any(hmac.compare_digest(c.encode(), key.encode()) for c in candidates for key in keys):
         where = "'Authorization: Bearer <key>'" + (" or 'x-api-key: <key>'" if x_api_key else "")
         raise APIError(401, f"a valid API key is required: send {where}", None, "invalid_api_key")

@@ -34,11 +34,12 @@ class ServedSettings:
 
 @dataclass(frozen=True)
 class Origin:
-    """Where a request came from, for its trace and its deadline."""
+    """Where a request came from, for its trace, its deadline and its key's token budget."""
 
     dialect: str  # "openai", "mindie", ...: the trace's label
     client_request_id: str | None  # the client's x-request-id header, if any
     arrival: float  # time.time() when the HTTP request arrived; timeouts count from it
+    key_name: str = "default"  # the API key's name in the app's rate_limits, whose tokens it uses
 
 
 class Generation(Protocol):

@@ -12,7 +12,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-         413: "invalid_request_error", 503: "service_unavailable_error", 504: "timeout_error"}
+         409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         503: "service_unavailable_error", 504: "timeout_error"}
 
 
 class ErrorDetail(BaseModel):

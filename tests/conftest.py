@@ -1,6 +1,8 @@
 import os
 from pathlib import Path
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -11,6 +13,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # batch-invariant where it can be: the suite's exact comparisons then hold in whatever dtype this
 # CPU's "auto" picks (docs/sampling.md). Tests of the default fast mode pass batch_invariant=False.
 os.environ.setdefault("PDSERVE_BATCH_INVARIANT", "1")
+# The Batch API's store (deployments/batch_store.py) of the apps the suite starts: this session's own
+# (removed at its end), unless the environment names one.
+OWN_BATCH_DIR = "PDSERVE_BATCH_DIR" not in os.environ
+os.environ.setdefault("PDSERVE_BATCH_DIR", os.path.join(tempfile.gettempdir(), f"pdserve-test-batches-{os.getpid()}"))
 # Without a GPU, Triton's interpreter runs the CUDA backend's kernels on CPU tensors
 # (tests/test_triton_attention.py). Triton reads the setting when it is imported, which
 # transformers does below; where CUDA is, the kernels compile and run on it instead.
@@ -67,3 +73,5 @@ def shared_ray_stops_at_the_end():
     from tests.serving import stop_shared_session
 
     stop_shared_session()
+    if OWN_BATCH_DIR:
+        shutil.rmtree(os.environ["PDSERVE_BATCH_DIR"], ignore_errors=True)

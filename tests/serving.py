@@ -90,13 +90,19 @@ def kept_apps(builds: dict) -> dict[str, str]:
 # prompt through P) and "<base>/co" (colocated), both of tiny-llama as served by default.
 # max_iter_times: a tool call in tiny-llama's 1k vocabulary takes ~70 tokens.
 OPENAI_APPS_CAP = 160
+# The Batch API's bounds and keys on the kept pair (tests/test_batch_api.py): small, so that a test
+# can exceed them; the lease short, so that a restarted ingress goes on with a batch within seconds.
+BATCH_LIMITS = {"max_file_bytes": 16384, "max_batch_lines": 64, "batch_lease_s": 2.0}
+RATE_LIMITED_KEYS = {"two-a-minute": {"key": "sk-two", "rpm": 2}, "few-tokens": {"key": "sk-few", "tpm": 8},
+                     "batch-key": {"key": "sk-batch", "rpm": 100000}, "other": {"key": "sk-other", "rpm": 100000}}
 
 
 def openai_apps() -> str:
     """The base URL under which the kept OpenAI pair answers at "/pd" and "/co"."""
     from deployments.app import colocated_app, pd_app
 
-    common = {"torch_threads": 1, "max_iter_times": OPENAI_APPS_CAP, "pd_local_prefill_tokens": 0}
+    common = {"torch_threads": 1, "max_iter_times": OPENAI_APPS_CAP, "pd_local_prefill_tokens": 0, **BATCH_LIMITS,
+              "rate_limits": {"keys": RATE_LIMITED_KEYS}}
     kept_apps({"openai-pd": (lambda: pd_app(common), "/openai/pd"),
                "openai-co": (lambda: colocated_app({**common, "embeddings": False}), "/openai/co")})
     return f"{shared_url()}/openai"

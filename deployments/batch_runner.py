@@ -1,0 +1,193 @@
+"""Drains the Batch API's batches through the serving path, below interactive work.
+
+Each ingress replica runs one ``BatchRunner``. Every ``poll_s`` it claims the unfinished batches
+whose lease is its own or has run out (deployments/batch_store.py) and drives each:
+
+    validating   read the input file, check every line (dialects/batches_api.py): all good, the
+                 lines are stored and the batch is in_progress; one bad, failed with the errors
+    in_progress  send the pending lines, each as the HTTP request it describes, to this replica's
+                 own app in process (``send``): the same routes, validation, admission, per-key
+                 limits and PD path as a client's request, answered whole; each answer committed once
+    finalizing   the output and error files written from the committed answers; completed
+    cancelling   the lines in flight cancelled (the engines free their KV), the lines not run
+                 written as batch_cancelled; cancelled
+    expired      past expires_at: as cancelling, with batch_expired
+
+Priority and pacing: batch lines run at priority 5, the lowest (interactive requests default to
+it too), and take only the capacity interactive traffic leaves: the runner reads the engines'
+queues (``probe``: requests waiting at any P, D or colocated replica) and, while any request
+waits, halves how many lines it keeps in flight (down to ``MIN_IN_FLIGHT``, so that a batch
+always ends); while none waits it adds one per poll up to ``max_in_flight``. A line refused with
+429 (its key's limits) or 503 (overloaded) waits its Retry-After and is sent again, not failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Awaitable, Callable
+
+from deployments.batch_store import COMPLETED, FAILED, BatchStore
+from dialects.batches_api import check_lines, output_line, unanswered_line
+from dialects.files_api import OUTPUT_PURPOSE, file_object
+
+logger = logging.getLogger("ray.serve")
+
+# send(endpoint, body, key_name) -> (status, JSON body, Retry-After seconds or None)
+Send = Callable[[str, dict, str], Awaitable[tuple[int, dict, float | None]]]
+Probe = Callable[[], Awaitable[int]]  # requests waiting in the engines now
+MIN_IN_FLIGHT = 1
+RETRIED_STATUSES = (429, 503)  # the line waits and is sent again
+RETRY_FLOOR_S = 0.5
+
+
+class BatchRunner:
+    def __init__(self, store: BatchStore, send: Send, probe: Probe, owner: str, max_in_flight: int,
+                 lease_s: float, poll_s: float = 0.5) -> None:
+        self.store, self.send, self.probe, self.owner = store, send, probe, owner
+        self.max_in_flight, self.lease_s, self.poll_s = max_in_flight, lease_s, poll_s
+        self.allowed = max_in_flight  # lines in flight the pacing allows now
+        self.in_flight = 0
+        self._driving: dict[str, asyncio.Task] = {}
+
+    async def run(self) -> None:
+        """Forever: claim, pace, drive. Errors of one round are logged, the next round goes on."""
+        while True:
+            try:
+                await self._round()
+            except Exception:
+                logger.exception("batch runner: round failed")
+            await asyncio.sleep(self.poll_s)
+
+    async def _round(self) -> None:
+        """Claim and drive; the engines are asked for their queues only while a batch runs."""
+        if not self.store.unfinished():
+            return
+        for batch_id in self.store.claim(self.owner, self.lease_s):
+            task = self._driving.get(batch_id)
+            if task is None or task.done():
+                self._driving[batch_id] = asyncio.create_task(self.drive(batch_id))
+        self._driving = {b: t for b, t in self._driving.items() if not t.done()}
+        if self._driving:
+            waiting = await self.probe()
+            self.allowed = (max(MIN_IN_FLIGHT, self.allowed // 2) if waiting
+                            else min(self.max_in_flight, self.allowed + 1))
+
+    async def drive(self, batch_id: str) -> None:
+        """Take the batch from where the store says it is to a final status; a failure is logged
+        and the next round drives it again from where the store says it is."""
+        try:
+            await self._drive(batch_id)
+        except Exception:
+            logger.exception("batch %s: driving it failed; going on at the next round", batch_id)
+
+    async def _drive(self, batch_id: str) -> None:
+        batch = self.store.batch(batch_id)
+        if batch["status"] == "validating":
+            batch = await self._validate(batch)
+        if batch["status"] == "in_progress":
+            batch = await self._run_lines(batch)
+        if batch["status"] in ("finalizing", "cancelling"):
+            self._finalize(batch)
+
+    async def _validate(self, batch: dict) -> dict:
+        if self.store.file(batch["input_file_id"]) is None:
+            errors = [{"code": "invalid_file", "message": f"input_file_id: no file {batch['input_file_id']!r}",
+                       "param": "input_file_id", "line": None}]
+            return self._fail(batch, errors)
+        try:
+            text = self.store.content(batch["input_file_id"]).decode("utf-8")
+        except UnicodeDecodeError:
+            return self._fail(batch, [{"code": "invalid_file", "message": "the input file is not UTF-8",
+                                       "param": "input_file_id", "line": None}])
+        # In a thread: 50,000 lines take seconds, which the ingress's event loop must not wait out.
+        requests, errors = await asyncio.to_thread(check_lines, text, batch["endpoint"])
+        if errors:
+            return self._fail(batch, errors)
+        self.store.start(batch["id"], requests)
+        return self.store.batch(batch["id"])
+
+    def _fail(self, batch: dict, errors: list[dict]) -> dict:
+        return self.store.update(batch["id"], ("validating",), status="failed", failed_at=int(time.time()),
+                                 errors={"object": "list", "data": errors}) or self.store.batch(batch["id"])
+
+    async def _run_lines(self, batch: dict) -> dict:
+        """Send the pending lines, paced, until all are answered, the batch is cancelled, or it expires."""
+        batch_id, endpoint, key_name = batch["id"], batch["endpoint"], self.store.key_name(batch["id"])
+        tasks: set[asyncio.Task] = set()
+        try:
+            # Again while lines are pending: one whose send raised (logged) is sent again.
+            while (pending := self.store.pending(batch_id)) and not self._stopping(batch_id):
+                for line, custom_id, body in pending:
+                    while self.in_flight >= self.allowed and not self._stopping(batch_id):
+                        await asyncio.sleep(self.poll_s / 5)
+                    if self._stopping(batch_id):
+                        break
+                    self.in_flight += 1
+                    task = asyncio.create_task(self._answer(batch_id, line, custom_id, endpoint, body, key_name))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                while tasks and not self._stopping(batch_id):
+                    await asyncio.wait(tasks, timeout=self.poll_s)
+        finally:
+            for task in tasks:
+                task.cancel()  # a cancelled line's request is cancelled in the engines, its KV freed
+            await asyncio.gather(*tasks, return_exceptions=True)
+        status = self.store.batch(batch_id)["status"]
+        if status == "in_progress" and time.time() >= batch["expires_at"]:
+            return self._end_unanswered(batch_id, "batch_expired", "expired")
+        if status == "in_progress":
+            return self.store.update(batch_id, ("in_progress",), status="finalizing",
+                                     finalizing_at=int(time.time())) or self.store.batch(batch_id)
+        return self.store.batch(batch_id)
+
+    def _stopping(self, batch_id: str) -> bool:
+        batch = self.store.batch(batch_id)
+        return batch["status"] != "in_progress" or time.time() >= batch["expires_at"]
+
+    async def _answer(self, batch_id: str, line: int, custom_id: str, endpoint: str, body: dict,
+                      key_name: str) -> None:
+        try:
+            while True:
+                status, answer, retry_after = await self.send(endpoint, body, key_name)
+                if status not in RETRIED_STATUSES:
+                    break
+                await asyncio.sleep(max(retry_after or 0.0, RETRY_FLOOR_S))
+        except Exception:  # not an HTTP answer (a defect): the line stays pending and is sent again
+            logger.exception("batch %s: line %d was not answered", batch_id, line)
+            await asyncio.sleep(self.poll_s)
+            return
+        finally:
+            self.in_flight -= 1
+        state = COMPLETED if 200 <= status < 300 else FAILED
+        self.store.record(batch_id, line, state, output_line(custom_id, status, answer))
+
+    def _end_unanswered(self, batch_id: str, code: str, status: str) -> dict:
+        for line, custom_id, _ in self.store.pending(batch_id):
+            self.store.record(batch_id, line, FAILED, unanswered_line(custom_id, code))
+        self._write_files(batch_id)
+        return self.store.update(batch_id, None, status=status, **{f"{status}_at": int(time.time())})
+
+    def _finalize(self, batch: dict) -> None:
+        if batch["status"] == "cancelling":
+            self._end_unanswered(batch["id"], "batch_cancelled", "cancelled")
+            return
+        self._write_files(batch["id"])
+        self.store.update(batch["id"], ("finalizing",), status="completed", completed_at=int(time.time()))
+
+    def _write_files(self, batch_id: str) -> None:
+        """The output and error files, from the committed answers; their ids follow from the
+        batch's, so finalizing again after a restart rewrites the same files."""
+        ids = {}
+        for state, suffix in ((COMPLETED, "output"), (FAILED, "errors")):
+            results = self.store.results(batch_id, state)
+            if not results:
+                continue
+            content = "".join(json.dumps(r) + "\n" for r in results).encode()
+            file_id = f"file-{batch_id.removeprefix('batch_')}-{suffix}"
+            self.store.add_file(file_object(file_id, f"{batch_id}_{suffix}.jsonl", OUTPUT_PURPOSE, len(content)),
+                                content)
+            ids["output_file_id" if state == COMPLETED else "error_file_id"] = file_id
+        self.store.update(batch_id, None, **ids)

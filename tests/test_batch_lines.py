@@ -1,0 +1,157 @@
+"""The Batch API's parts that need no server: each kind of invalid input line refused by name and
+line (dialects/batches_api.py), the upload checks (dialects/files_api.py), and the store's
+guarantees (deployments/batch_store.py): a line answered once, state read back by a new store,
+a batch's lease; the rate limits' window and keys (deployments/rate_limits.py).
+tests/test_batch_api.py runs batches, and the limits, through the served app."""
+
+import json
+import time
+
+import pytest
+
+from deployments.batch_store import COMPLETED, BatchStore
+from deployments.rate_limits import DEFAULT_KEY, RateLimits, SlidingWindow
+from dialects.auth import check_api_key
+from dialects.batches_api import CreateBatchRequest, check_lines, new_batch, output_line
+from dialects.errors import APIError
+from dialects.files_api import UploadLimits, check_upload, file_object
+
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def line(custom_id="a", url=CHAT, method="POST", body=None, **extra) -> str:
+    body = {"model": "m", "messages": HI, "max_tokens": 4} if body is None else body
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body, **extra})
+
+
+def test_valid_lines_are_read_in_order_skipping_blank_ones():
+    requests, errors = check_lines("\n".join([line("a"), "", line("b")]) + "\n", CHAT)
+    assert errors == []
+    assert [cid for cid, _ in requests] == ["a", "b"]
+    assert requests[0][1]["max_tokens"] == 4
+
+
+@pytest.mark.parametrize("bad, code, param", [
+    ("{not json", "invalid_json_line", None),
+    ("[1, 2]", "invalid_json_line", None),
+    (json.dumps({"method": "POST", "url": CHAT, "body": {}}), "missing_custom_id", "custom_id"),
+    (line("a"), "duplicate_custom_id", "custom_id"),
+    (line("z", method="GET"), "invalid_method", "method"),
+    (line("z", url="/v1/unknown"), "invalid_url", "url"),
+    (line("z", url="/v1/completions"), "invalid_url", "url"),
+    (line("z", body=[1]), "invalid_request", "body"),
+    (line("z", body={"model": "m", "messages": []}), "invalid_request", "body.messages"),
+    (line("z", body={"model": "m", "messages": HI, "temperature": 9}), "invalid_request",
+     "body.temperature"),
+    (line("z", body={"model": "m", "messages": HI, "stream": True}), "invalid_request",
+     "body.stream"),
+    (line("z", body={"model": "m", "messages": HI, "priority": 1}), "invalid_request",
+     "body.priority"),
+    (line("z", extra_field=1), "invalid_request", "extra_field"),
+])
+def test_each_invalid_line_is_refused_with_its_line_and_field(bad, code, param):
+    requests, errors = check_lines("\n".join([line("a"), bad, line("c")]), CHAT)
+    assert [(e["code"], e["line"], e["param"]) for e in errors] == [(code, 2, param)]
+    assert errors[0]["message"].startswith("line 2: ")
+    assert [cid for cid, _ in requests] == ["a", "c"]
+
+
+def test_a_file_without_requests_is_refused():
+    assert check_lines("\n\n", CHAT)[1][0]["code"] == "empty_file"
+
+
+def test_create_refuses_unknown_fields_endpoints_and_windows():
+    good = {"input_file_id": "file-1", "endpoint": CHAT, "completion_window": "24h"}
+    assert CreateBatchRequest.model_validate(good).endpoint == CHAT
+    for wrong in ({"endpoint": "/v1/moderations"}, {"completion_window": "1h"}, {"extra": 1},
+                  {"metadata": {str(i): "v" for i in range(17)}}):
+        with pytest.raises(ValueError):
+            CreateBatchRequest.model_validate({**good, **wrong})
+
+
+@pytest.mark.parametrize("content, limits, code", [
+    (b"x" * 101, UploadLimits(100, 10), "file_too_large"),
+    (b"{}\n" * 11, UploadLimits(1000, 10), "too_many_lines"),
+    (b"\n \n", UploadLimits(1000, 10), "empty_file"),
+    (b"\xff\xfe{}", UploadLimits(1000, 10), "invalid_encoding"),
+])
+def test_an_upload_over_the_limits_is_refused_naming_the_file(content, limits, code):
+    with pytest.raises(APIError) as refused:
+        check_upload(content, limits)
+    assert (refused.value.code, refused.value.param) == (code, "file")
+    check_upload(b"{}\n" * 10, UploadLimits(1000, 10))  # at the limits: accepted
+
+
+def test_a_line_is_answered_once_and_a_new_store_reads_everything_back(tmp_path):
+    store = BatchStore(tmp_path)
+    store.add_file(file_object("file-in", "in.jsonl", "batch", 3), b"{}\n")
+    batch = store.add_batch(new_batch(CreateBatchRequest(input_file_id="file-in", endpoint=CHAT,
+                                                         completion_window="24h")), "default")
+    store.start(batch["id"], [("a", {"x": 1}), ("b", {"x": 2})])
+    assert store.record(batch["id"], 0, COMPLETED, output_line("a", 200, {"first": True}))
+    assert not store.record(batch["id"], 0, COMPLETED, output_line("a", 200, {"first": False}))
+
+    again = BatchStore(tmp_path)  # as a restarted ingress finds it
+    assert again.batch(batch["id"])["status"] == "in_progress"
+    assert again.batch(batch["id"])["request_counts"] == {"total": 2, "completed": 1, "failed": 0}
+    assert [cid for _, cid, _ in again.pending(batch["id"])] == ["b"]
+    assert again.results(batch["id"], COMPLETED)[0]["response"]["body"] == {"first": True}
+    assert again.content("file-in") == b"{}\n"
+
+
+def test_a_batch_stays_with_its_driver_until_the_lease_runs_out(tmp_path):
+    store = BatchStore(tmp_path)
+    batch = store.add_batch(new_batch(CreateBatchRequest(input_file_id="f", endpoint=CHAT, completion_window="24h")),
+                            "default")
+    assert store.claim("first", lease_s=0.3) == [batch["id"]]
+    assert store.claim("second", lease_s=0.3) == []
+    assert store.claim("first", lease_s=0.3) == [batch["id"]]  # renewed
+    time.sleep(0.4)
+    assert store.claim("second", lease_s=0.3) == [batch["id"]]
+    store.update(batch["id"], status="completed")
+    assert store.claim("second", lease_s=0.3) == []
+
+
+def test_pages_of_files_follow_the_cursor(tmp_path):
+    store = BatchStore(tmp_path)
+    for i in range(5):
+        store.add_file(file_object(f"file-{i}", "x", "batch", 1, created_at=100 + i), b"x")
+    first, more = store.files(None, None, 2, newest_first=True)
+    assert [f["id"] for f in first] == ["file-4", "file-3"] and more
+    rest, more = store.files(None, "file-3", 10, newest_first=True)
+    assert [f["id"] for f in rest] == ["file-2", "file-1", "file-0"] and not more
+    assert store.delete_file("file-0") and not store.delete_file("file-0")
+
+
+def test_the_window_refuses_past_rpm_and_tpm_and_says_when_there_is_room():
+    now = [100.0]
+    window = SlidingWindow(clock=lambda: now[0])
+    assert window.admit("a", 2, None)[:2] == (0.0, None)
+    now[0] = 110.0
+    assert window.admit("a", 2, None)[:2] == (0.0, None)
+    assert window.admit("a", 2, None)[:2] == (50.0, "rpm")  # the first leaves the window at 160
+    assert window.admit("b", 2, None)[:2] == (0.0, None)  # another key: its own window
+    now[0] = 160.0
+    assert window.admit("a", 2, None)[:2] == (0.0, None)
+
+    window.charge("t", 6)
+    now[0] = 170.0
+    window.charge("t", 6)
+    assert window.admit("t", None, 10)[:2] == (50.0, "tpm")  # 12 used; room once the first 6 leave, at 220
+    now[0] = 220.0
+    assert window.admit("t", None, 10)[:2] == (0.0, None)
+
+
+def test_a_request_is_its_listed_keys_and_listed_keys_pass_the_api_key_check():
+    limits = RateLimits.model_validate({"default": {"rpm": 5}, "keys": {"team": {"key": "sk-t", "tpm": 9}}})
+    assert limits.key_name({"authorization": "Bearer sk-t"}) == "team"
+    assert limits.key_name({"x-api-key": "sk-t"}) == "team"
+    assert limits.key_name({"authorization": "Bearer sk-else"}) == DEFAULT_KEY
+    assert limits.key_name({}) == DEFAULT_KEY
+    assert limits.of("team").tpm == 9 and limits.of(DEFAULT_KEY).rpm == 5
+    check_api_key(["sk-main", *limits.api_keys()], {"authorization": "Bearer sk-t"})
+    with pytest.raises(APIError):
+        check_api_key(["sk-main", *limits.api_keys()], {"authorization": "Bearer sk-else"})
+    with pytest.raises(ValueError):
+        RateLimits.model_validate({"keys": {"team": {"key": "sk-t", "rpm": 0}}})
