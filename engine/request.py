@@ -138,6 +138,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.token_ids = request.context_token_ids
+        self._prompt_ids: list[int] | None = None  # prompt_ids, once asked for
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
@@ -189,7 +190,11 @@ class Sequence:
 
     @property
     def prompt_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        """The prompt (and a resumed request's earlier output): never changes, so sliced once
+        (the sampler's batch asks for it at every step); read-only."""
+        if self._prompt_ids is None:
+            self._prompt_ids = self.token_ids[: self.num_prompt_tokens]
+        return self._prompt_ids
 
     @property
     def output_ids(self) -> list[int]:
