@@ -84,7 +84,7 @@ class DecodeGraphs:
         # Host staging, pinned (asynchronous copies), and the device buffers the graphs read.
         self._host = GraphInputs(largest, table_width, pinned=True)
         self._inputs = torch.zeros(3, largest, dtype=torch.int64, device=device)
-        self._meta = torch.zeros_like(self._host.meta, device=device)
+        self._meta = torch.zeros(self._host.meta.numel(), dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.pool_bytes = 0
