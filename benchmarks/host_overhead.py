@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import io
 import os
 from pathlib import Path
 import pstats
@@ -117,8 +118,6 @@ def profile(llm: LLMEngine, rows: int, prompt: int, steps: int) -> tuple[list[tu
         area = next((name for name, parts in AREAS if any(p in filename for p in parts)),
                     "other (torch C calls, builtins)")
         totals[area] += tottime
-    import io
-
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
     return [(name, 1e3 * t / steps) for name, t in totals.items()], text.getvalue()
