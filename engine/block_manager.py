@@ -155,6 +155,7 @@ class BlockManager:
         for block in shared:
             self.ref_count[block] += 1
         child.block_table = list(shared)
+        child.num_keyed_blocks = min(parent.num_keyed_blocks, len(shared))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Key the blocks that ``seq``'s computed tokens have filled, so later requests find them.
@@ -163,17 +164,28 @@ class BlockManager:
             return
         # Accepted drafts are computed a moment before they are appended: key only blocks of known tokens.
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        for i, key in enumerate(self.block_hashes(seq, num_full)):
-            block = seq.block_table[i]
+        first = seq.num_keyed_blocks
+        if num_full <= first:  # most decode steps: no block filled since the last
+            return
+        hashes = self.block_hashes(seq, num_full)
+        for i in range(first, num_full):
+            block, key = seq.block_table[i], hashes[i]
             if self.block_key[block] is None and key not in self._by_key:
                 self.block_key[block] = key
                 self._by_key[key] = block
+            # A held block stays keyed (it is evicted only when nobody holds it): the leading
+            # keyed blocks need no second look. One left unkeyed (its key is another block's) is
+            # looked at again next time, as that block may be evicted meanwhile.
+            if first == i and self.block_key[block] is not None:
+                first += 1
+        seq.num_keyed_blocks = first
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s hold on its blocks. Keyed ones stay cached, the tail's blocks ahead of
         the prompt's in eviction order (a prefix is worth more than the end of one request)."""
         self.release(reversed(seq.block_table))
         seq.block_table = []
+        seq.num_keyed_blocks = 0
 
     def hold(self, blocks: list[int]) -> None:
         """One more reference to each of ``blocks`` (cached ones are revived): none is evicted

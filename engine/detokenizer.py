@@ -61,6 +61,8 @@ class IncrementalDetokenizer:
         if len(after) > len(before) and not after.endswith(REPLACEMENT_CHAR):
             self.text += after[len(before):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        if not self.stop:  # nothing to look for, nothing held back
+            return self._release(len(self.text)), False
         if self._cut_at_stop():
             self.stopped = True
             return self._release(len(self.text)), True

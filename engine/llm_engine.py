@@ -360,8 +360,7 @@ class LLMEngine(RequestValidation, PrefillHandOver, BeamSteps, DraftSteps, Offli
         p = seq.params
         if not p.ignore_eos and token in self._eos_ids(p):
             return EOS
-        output = seq.output_ids
-        if stopped or any(output[-len(s):] == s for s in p.stop_token_ids):
+        if stopped or (p.stop_token_ids and any(seq.output_ids[-len(s):] == s for s in p.stop_token_ids)):
             return STOP
         if seq.num_output_tokens >= p.max_new_tokens or self._capped_tokens(seq) >= self.config.max_iter_times:
             return LENGTH

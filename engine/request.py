@@ -138,6 +138,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.token_ids = request.context_token_ids
+        self._prompt_ids: list[int] | None = None  # prompt_ids, once asked for
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
@@ -159,6 +160,7 @@ class Sequence:
         self.prompt_lookup = request.prompt_lookup
         self.step_drafts = None  # StepDrafts the next step verifies (engine/decoding/speculative.py), set before each step
         self.block_hashes: list[bytes] = []  # chained keys of the full blocks, memoised (tokens never change)
+        self.num_keyed_blocks = 0  # leading blocks of block_table known keyed (BlockManager.cache_full_blocks)
         # Prompt scores, by position (position 0 has none), filled as the prompt's chunks run;
         # None unless asked for. DECODE mode never scores: P did, and sent them to the client.
         self.prompt_logprobs: list | None = None
@@ -188,7 +190,11 @@ class Sequence:
 
     @property
     def prompt_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        """The prompt (and a resumed request's earlier output): never changes, so sliced once
+        (the sampler's batch asks for it at every step); read-only."""
+        if self._prompt_ids is None:
+            self._prompt_ids = self.token_ids[: self.num_prompt_tokens]
+        return self._prompt_ids
 
     @property
     def output_ids(self) -> list[int]:
@@ -207,6 +213,7 @@ class Sequence:
         child.index = index
         child.token_ids = list(self.token_ids)
         child.block_table = []
+        child.num_keyed_blocks = 0
         child.block_hashes = list(self.block_hashes)  # keys of shared full blocks; each extends its own
         return child
 

@@ -71,6 +71,11 @@ class SamplingBatch:
         drafts = [i for i, (g, r) in enumerate(zip(greedy, rows)) if not g and r.draft_probs is not None]
         constrained = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
         temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
+        # The dense per-row columns go to the device in two copies, not one each (a copy to a GPU
+        # costs more than building its column): float32 [3, R] and int64 [4, R].
+        floats = tensor([temperature, [p.top_p for p in params], [p.min_p for p in params]], torch.float32)
+        ints = tensor([[p.top_k if p.top_k < vocab_size else 0 for p in params], [lo for lo, _ in seeds],
+                       [hi for _, hi in seeds], [len(r.output_ids) for r in rows]], torch.int64)
         return cls(
             rows=rows,
             greedy_rows=tensor([i for i, g in enumerate(greedy) if g], torch.int64),
@@ -81,13 +86,13 @@ class SamplingBatch:
             min_p_rows=tensor([i for i, (g, p) in enumerate(zip(greedy, params)) if not g and p.min_p > 0],
                               torch.int64),
             scales_temperature=any(t != 1.0 for t in temperature),
-            temperature=tensor(temperature, torch.float32),
-            top_k=tensor([p.top_k if p.top_k < vocab_size else 0 for p in params], torch.int64),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            min_p=tensor([p.min_p for p in params], torch.float32),
-            seed_lo=tensor([lo for lo, _ in seeds], torch.int64),
-            seed_hi=tensor([hi for _, hi in seeds], torch.int64),
-            step=tensor([len(r.output_ids) for r in rows], torch.int64),
+            temperature=floats[0],
+            top_k=ints[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            seed_lo=ints[1],
+            seed_hi=ints[2],
+            step=ints[3],
             max_logprobs=max(asked) if asked else None,
             has_processors=any(uses_processors(p) for p in params),
             grammar_rows=tensor(constrained, torch.int64),

@@ -28,3 +28,21 @@ def test_graph_replay_gives_the_eager_tokens(model_dirs, dtype):
         assert graphs.runner.graphs is not None and graphs.runner.graphs.max_batch == min(max_batch, 256)
         got = graphs.generate(requests(prompt_ids))
         assert {r: o.output_token_ids for r, o in got.items()} == {r: o.output_token_ids for r, o in expected.items()}
+
+
+def test_graph_inputs_fill_the_rows_then_padding():
+    import numpy as np
+
+    from engine.execution.cuda_graphs import GraphInputs, meta_views
+
+    staging = GraphInputs(largest=8, table_width=4, pinned=False)
+    used = staging.fill(np.array([7, 8]), np.array([5, 17]), np.array([21, 70]), [[5, 3], [1, 4, 2, 6]], size=4)
+    assert used == 4 * (4 + 5)
+    assert staging.tokens[:, :4].tolist() == [[7, 8, 0, 0], [5, 17, 0, 0], [21, 70, -1, -1]]
+    tables, seq_info, work = meta_views(staging.meta, 4, 4)
+    assert tables.tolist() == [[5, 3, 0, 0], [1, 4, 2, 6], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert seq_info.tolist() == [[0, 1, 5], [1, 1, 17], [2, 0, 0], [3, 0, 0]]
+    assert work.tolist() == [[0, 0], [1, 0], [2, 0], [3, 0]]
+    staging.fill(np.array([9]), np.array([2]), np.array([3]), [[8]], size=2)  # a smaller step after a larger
+    tables, seq_info, _ = meta_views(staging.meta, 2, 4)
+    assert tables.tolist() == [[8, 0, 0, 0], [0, 0, 0, 0]] and seq_info.tolist() == [[0, 1, 2], [1, 0, 0]]

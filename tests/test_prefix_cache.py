@@ -284,3 +284,18 @@ def test_namespace_separates_models():
     other = Sequence(GenerationRequest("o", list(range(1, 10)), greedy(4)), 1, 0, Mode.GENERATE,
                      time.time() + 60, b"another-model")
     assert blocks.computed_prefix(other) == []
+
+
+def test_a_block_whose_key_another_holds_is_keyed_once_that_one_is_evicted():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    first, twin = seq_of([1, 2, 3, 4, 5], "first"), seq_of([1, 2, 3, 4, 6], "twin")
+    fill(blocks, first)
+    fill(blocks, twin)  # the same first block, computed apart: its key stays with first's block
+    assert blocks.block_key[twin.block_table[0]] is None
+    blocks.free(first)
+    blocks.allocate(seq_of(list(range(20, 28)), "evicts"), 8)  # takes the free block, then evicts first's
+    twin.token_ids.append(7)
+    blocks.allocate(twin, 6)
+    twin.num_computed_tokens = 6
+    blocks.cache_full_blocks(twin)  # a later step: twin's block now carries the key
+    assert blocks.computed_prefix(seq_of([1, 2, 3, 4, 9], "probe")) == [twin.block_table[0]]

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from engine.execution.attention import AttentionSeq
+from engine.execution.attention import fill_block_tables
 from engine.execution.attention.triton_paged import TritonStep, tile_tokens
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,43 @@ def capture_sizes(max_batch: int) -> list[int]:
     """The padded batch sizes captured, ascending: 1, 2, 4, 8, 16, 24, 32, then every 16, up to ``max_batch``."""
     sizes = [s for s in (1, 2, 4, *range(8, 33, 8), *range(48, max_batch + 1, 16)) if s <= max_batch]
     return sizes if sizes and sizes[-1] == max_batch else sizes + [max_batch]
+
+
+def meta_views(buffer: torch.Tensor, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tables [size, width], seq_info [size, 3], work [size, 2]: views of the int32 ``buffer``."""
+    tables, seq_info, work, _ = buffer.split([size * width, size * 3, size * 2, buffer.numel() - size * (width + 5)])
+    return tables.view(size, width), seq_info.view(size, 3), work.view(size, 2)
+
+
+class GraphInputs:
+    """A decode graph's inputs on the host, written once per step for its padded size: ids,
+    positions, slots [3, largest] int64 and the attention metadata (block tables, seq_info,
+    work) int32, laid out as the device buffers the graphs read. Pinned on CUDA, so that the
+    copies to the device are asynchronous; no device needed to fill them."""
+
+    def __init__(self, largest: int, table_width: int, pinned: bool) -> None:
+        self.table_width = table_width
+        self.tokens = torch.zeros(3, largest, dtype=torch.int64, pin_memory=pinned)  # ids, positions, slots
+        self.meta = torch.zeros(largest * (table_width + 5), dtype=torch.int32, pin_memory=pinned)
+
+    def fill(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: list[list[int]],
+             size: int) -> int:
+        """Rows [0, n) from the step's n = len(tables) decode rows (row i: its token, position,
+        slot and block table), rows [n, size) padding (slot -1, no new tokens); returns the
+        metadata's used length (int32 elements from the start of ``meta``)."""
+        n = len(tables)
+        host = self.tokens.numpy()
+        host[0, :n], host[1, :n], host[2, :n] = ids, positions, slots
+        host[:2, n:size], host[2, n:size] = 0, -1
+        table_rows, seq_info, work = (v.numpy() for v in meta_views(self.meta, size, self.table_width))
+        fill_block_tables(table_rows[:n], tables)
+        table_rows[n:] = 0
+        seq_info[:, 0] = np.arange(size)
+        seq_info[:n, 1], seq_info[n:, 1] = 1, 0
+        seq_info[:n, 2] = positions
+        seq_info[n:, 2] = 0
+        work[:, 0], work[:, 1] = np.arange(size), 0
+        return size * (self.table_width + 5)
 
 
 class DecodeGraphs:
@@ -45,23 +82,15 @@ class DecodeGraphs:
         largest = self.sizes[-1]
         self.table_width = table_width
         # Host staging, pinned (asynchronous copies), and the device buffers the graphs read.
-        self._host_inputs = torch.zeros(3, largest, dtype=torch.int64, pin_memory=True)  # ids, positions, slots
+        self._host = GraphInputs(largest, table_width, pinned=True)
         self._inputs = torch.zeros(3, largest, dtype=torch.int64, device=device)
-        meta_size = largest * (table_width + 3 + 2)  # tables, seq_info, work
-        self._host_meta = torch.zeros(meta_size, dtype=torch.int32, pin_memory=True)
-        self._meta = torch.zeros(meta_size, dtype=torch.int32, device=device)
+        self._meta = torch.zeros(self._host.meta.numel(), dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.pool_bytes = 0
 
-    def _meta_views(self, buffer: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """tables [size, width], seq_info [size, 3], work [size, 2]: views of ``buffer``."""
-        tables, seq_info, work, _ = buffer.split([size * self.table_width, size * 3, size * 2,
-                                                  buffer.numel() - size * (self.table_width + 5)])
-        return tables.view(size, self.table_width), seq_info.view(size, 3), work.view(size, 2)
-
     def _step(self, size: int) -> TritonStep:
-        tables, seq_info, work = self._meta_views(self._meta, size)
+        tables, seq_info, work = meta_views(self._meta, size, self.table_width)
         return TritonStep(self._inputs[2, :size], tables, seq_info, work, self.block_q, self.block_size)
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -95,7 +124,7 @@ class DecodeGraphs:
         """Every row padding: slot -1, no new tokens (what capture runs on)."""
         self._inputs[:, :size] = 0
         self._inputs[2, :size] = -1
-        tables, seq_info, work = self._meta_views(self._meta, size)
+        tables, seq_info, work = meta_views(self._meta, size, self.table_width)
         tables.zero_()
         seq_info.zero_()
         work[:, 0] = torch.arange(size, dtype=torch.int32, device=work.device)
@@ -105,26 +134,14 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seqs: list[AttentionSeq]
+    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: list[list[int]]
             ) -> torch.Tensor:
-        """The logits [n, V] of a decode step of n <= max_batch rows (row i is seqs[i]'s token)."""
-        n = len(seqs)
+        """The logits [n, V] of a decode step of n = len(tables) <= max_batch rows (row i: token
+        ids[i] at positions[i], written to slots[i], with block table tables[i])."""
+        n = len(tables)
         size = next(s for s in self.sizes if s >= n)
-        host = self._host_inputs.numpy()
-        host[0, :n], host[1, :n], host[2, :n] = ids, positions, slots
-        host[:2, n:size], host[2, n:size] = 0, -1
-        tables, seq_info, work = (v.numpy() for v in self._meta_views(self._host_meta, size))
-        tables[:] = 0
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = s.block_table
-        seq_info[:, 0] = np.arange(size)
-        seq_info[:n, 1], seq_info[n:, 1] = 1, 0
-        seq_info[:n, 2] = positions
-        seq_info[n:, 2] = 0
-        work[:, 0], work[:, 1] = np.arange(size), 0
-        self._inputs[:, :size].copy_(self._host_inputs[:, :size], non_blocking=True)
-        used = size * (self.table_width + 5)
-        self._meta[:used].copy_(self._host_meta[:used], non_blocking=True)
+        used = self._host.fill(ids, positions, slots, tables, size)
+        self._inputs[:, :size].copy_(self._host.tokens[:, :size], non_blocking=True)
+        self._meta[:used].copy_(self._host.meta[:used], non_blocking=True)
         self._graphs[size].replay()
         return self._logits[size][:n]
-

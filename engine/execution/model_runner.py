@@ -165,10 +165,20 @@ class ModelRunner:
         to_score = []  # (seq, first hidden row, first scored position, count)
         to_keep = []  # (seq, first hidden row, first position, count): context logits
         inputs, flat = self._inputs_np, 0  # [3, N]: ids, positions, slots
+        # Entries of one token (decodes): their flat rows, ids, positions and slots, written together.
+        single_rows, single_ids, single_positions, single_slots = [], [], [], []
         table_rows, table_embeddings = [], []  # p-tuning: flat rows whose embedding comes from a prompt table
-        vocab = self.loaded.spec.vocab_size
+        vocab, block_size = self.loaded.spec.vocab_size, self.blocks.block_size
         for (seq, n), repeat, drafted in zip(batch.entries, rows_per_entry, batch.drafted):
             start = seq.num_computed_tokens
+            if n == 1 and not drafted and (seq.prompt_table is None or seq.token_ids[start] < vocab):
+                single_rows.append(flat)
+                single_ids.append(seq.token_ids[start])
+                single_positions.append(start)
+                single_slots.append(seq.block_table[start // block_size] * block_size + start % block_size)
+                self._plan_row(seq, flat, n, start, repeat, drafted, attention_seqs, sample_rows, to_score, to_keep)
+                flat += n
+                continue
             chunk = seq.token_ids[start:start + n]
             if drafted:  # the last token, then the drafts: each of the k + 1 rows samples
                 chunk += seq.step_drafts.token_ids[:drafted]
@@ -180,19 +190,14 @@ class ModelRunner:
             inputs[0, flat:flat + n] = chunk
             inputs[1, flat:flat + n] = np.arange(start, start + n)
             inputs[2, flat:flat + n] = self.blocks.slots(seq, start, start + n)
-            attention_seqs.append(AttentionSeq(flat, n, start, seq.block_table))
-            sample_rows += list(range(flat + n - 1 - drafted, flat + n)) if drafted else [flat + n - 1] * repeat
-            # Row p's logits score the token at p + 1; the prompt's last row samples instead.
-            scored = min(start + n, seq.num_prompt_tokens - 1) - start
-            if seq.prompt_logprobs is not None and scored > 0:
-                to_score.append((seq, flat, start + 1, scored))
-            in_prompt = min(start + n, seq.num_prompt_tokens) - start
-            if seq.wants_context_logits and in_prompt > 0:
-                to_keep.append((seq, flat, start, in_prompt))
+            self._plan_row(seq, flat, n, start, repeat, drafted, attention_seqs, sample_rows, to_score, to_keep)
             flat += n
+        if single_rows:
+            inputs[:, single_rows] = (single_ids, single_positions, single_slots)
         model = self.loaded.model
         if self._graph_eligible(batch, flat, rows_per_entry, table_rows, to_score, to_keep):
-            logits = self.graphs.run(inputs[0, :flat], inputs[1, :flat], inputs[2, :flat], attention_seqs)
+            logits = self.graphs.run(inputs[0, :flat], inputs[1, :flat], inputs[2, :flat],
+                                     [s.block_table for s in attention_seqs])
             return self._sample_step(logits, rows, [], [])
         ids, positions, slot_mapping = self._inputs[:, :flat].to(self.device, non_blocking=True)
         attn = self.attention.prepare(slot_mapping, attention_seqs, self.windows, self.blocks.block_size, self.device)
@@ -209,6 +214,26 @@ class ModelRunner:
             return StepResult(None, scores, context)
         logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [R, V]
         return self._sample_step(logits, rows, scores, context)
+
+    @staticmethod
+    def _plan_row(seq: StepSequence, flat: int, n: int, start: int, repeat: int, drafted: int,
+                  attention_seqs: list[AttentionSeq], sample_rows: list[int], to_score: list, to_keep: list) -> None:
+        """Record where entry ``seq``'s n tokens (positions from ``start``, flat rows from ``flat``)
+        go: its attention rows, the rows that sample, the prompt rows to score or keep."""
+        attention_seqs.append(AttentionSeq(flat, n, start, seq.block_table))
+        if drafted:
+            sample_rows += range(flat + n - 1 - drafted, flat + n)
+        elif repeat:
+            sample_rows += [flat + n - 1] * repeat
+        if start >= seq.num_prompt_tokens:  # a decode row: no prompt row to score or keep
+            return
+        # Row p's logits score the token at p + 1; the prompt's last row samples instead.
+        scored = min(start + n, seq.num_prompt_tokens - 1) - start
+        if seq.prompt_logprobs is not None and scored > 0:
+            to_score.append((seq, flat, start + 1, scored))
+        in_prompt = min(start + n, seq.num_prompt_tokens) - start
+        if seq.wants_context_logits and in_prompt > 0:
+            to_keep.append((seq, flat, start, in_prompt))
 
     def _graph_eligible(self, batch: StepBatch, flat: int, rows_per_entry: list[int], table_rows: list,
                         to_score: list, to_keep: list) -> bool:

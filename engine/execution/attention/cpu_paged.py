@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from engine.execution.attention import AttentionSeq
+from engine.execution.attention import AttentionSeq, fill_block_tables
 from engine.execution.attention.torch_sdpa import BACKEND as SDPA, SdpaStep
 
 log = logging.getLogger(__name__)
@@ -99,11 +100,10 @@ class PagedBackend:
             chunks = SDPA.prepare(slot_mapping, [s for s in seqs if s.num_tokens > 1], windows, block_size, device)
             seqs = [s for s in seqs if s.num_tokens == 1]
         max_blocks = max((len(s.block_table) for s in seqs), default=1)
-        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        columns = torch.tensor([(s.flat_start, s.start_pos, s.num_tokens) for s in seqs], dtype=torch.int64)
-        columns = columns.reshape(len(seqs), 3)
+        tables = torch.from_numpy(fill_block_tables(np.empty((len(seqs), max_blocks), dtype=np.int32),
+                                                    [s.block_table for s in seqs]))
+        columns = torch.from_numpy(np.array([(s.flat_start, s.start_pos, s.num_tokens) for s in seqs],
+                                            dtype=np.int64).reshape(len(seqs), 3))
         return PagedStep(slot_mapping, tables, columns[:, 0].contiguous(), columns[:, 1].contiguous(),
                          columns[:, 2].contiguous(), block_size, chunks)
 

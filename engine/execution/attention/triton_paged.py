@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.execution.attention import AttentionSeq
+from engine.execution.attention import AttentionSeq, fill_block_tables
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
@@ -152,9 +152,7 @@ class StepPlan:
 def plan_step(seqs: list[AttentionSeq], block_q: int, table_width: int | None = None) -> StepPlan:
     """The step's metadata: one work item per ``block_q`` new tokens of each sequence."""
     width = table_width or max((len(s.block_table) for s in seqs), default=1)
-    tables = np.zeros((len(seqs), width), dtype=np.int32)
-    for i, s in enumerate(seqs):
-        tables[i, :len(s.block_table)] = s.block_table
+    tables = fill_block_tables(np.empty((len(seqs), width), dtype=np.int32), [s.block_table for s in seqs])
     seq_info = np.array([(s.flat_start, s.num_tokens, s.start_pos) for s in seqs], dtype=np.int32).reshape(-1, 3)
     per_seq = -(-seq_info[:, 1] // block_q)  # work items of each sequence
     work = np.empty((int(per_seq.sum()), 2), dtype=np.int32)
