@@ -1,6 +1,6 @@
 """Priority as an order of service (issue 41): TTFT by priority with the engine's prefill saturated.
 
-The load tester's priority mix (benchmarks/loadgen.py ``workloads``: 512-token prompts, priority 1
+The load tester's priority mix (tools/loadgen.py ``workloads``: 512-token prompts, priority 1
 for 20 % of the requests, 5 for the rest) in a closed loop of --concurrency clients, driven against
 one in-process engine (``LLMEngine``, the scheduler P, D and colocated share; in process because
 a served app is too heavy for a shared 2-core box, and the ingress adds no ordering of its own).
@@ -16,8 +16,6 @@ The model is a random one shaped like SmolLM-135M (``--layers`` of its 30), floa
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 import statistics
 import sys
@@ -26,12 +24,13 @@ import time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cli import arguments, bench_parser, write_json  # noqa: E402
 from benchmarks.engine_throughput import SMOLLM_8L, make_model  # noqa: E402
-from benchmarks.loadgen import workloads  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
+from tools.loadgen import workloads  # noqa: E402
 
 WARMUP_REQUESTS = 3  # prompts run alone before the measurement (first-call costs)
 IDLE_PROMPTS = 5  # priority-1 prompts of the run timed alone, before it and again after it
@@ -86,7 +85,7 @@ def idle_ttft(engine: LLMEngine, work: list, output_len: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--num-requests", type=int, default=264)  # 200 measured after 64 of warm-up
     parser.add_argument("--input-len", default="512")
@@ -95,7 +94,6 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,23 +113,23 @@ def main() -> None:
         idle += idle_ttft(engine, first_ones[IDLE_PROMPTS:], 1)
 
     by_priority = {p: [t for q, t in ttft.values() if q == p] for p in sorted({q for q, _ in ttft.values()})}
-    result = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    result = {"args": arguments(args),
               "duration_s": duration, "preemptions": engine.scheduler.num_preemptions,
               "idle_ttft_ms": {"p50": 1000 * statistics.median(idle), "max": 1000 * max(idle)},
-              "ttft_ms": {p: {"n": len(ts), "p50": 1000 * statistics.median(ts), "p99": 1000 * percentile(ts, 0.99)}
+              "ttft_ms": {p: {"n": len(ts), "p50": 1000 * statistics.median(ts), "p90": 1000 * percentile(ts, 0.9),
+                              "p99": 1000 * percentile(ts, 0.99)}
                           for p, ts in by_priority.items()}}
     p1, p5 = result["ttft_ms"][1]["p99"], result["ttft_ms"][5]["p99"]
     result["p99_ratio_1_to_5"] = p1 / p5
     result["p99_1_to_idle"] = p1 / result["idle_ttft_ms"]["p50"]
-    print(f"{'priority':<10}{'n':>6}{'p50 TTFT ms':>14}{'p99 TTFT ms':>14}")
+    print(f"{'priority':<10}{'n':>6}{'p50 TTFT ms':>14}{'p90 TTFT ms':>14}{'p99 TTFT ms':>14}")
     for p, r in result["ttft_ms"].items():
-        print(f"{p:<10}{r['n']:>6}{r['p50']:>14.0f}{r['p99']:>14.0f}")
+        print(f"{p:<10}{r['n']:>6}{r['p50']:>14.0f}{r['p90']:>14.0f}{r['p99']:>14.0f}")
     print(f"idle TTFT ms: p50 {result['idle_ttft_ms']['p50']:.0f}, max {result['idle_ttft_ms']['max']:.0f}; "
           f"{duration:.0f} s, {result['preemptions']} preemptions")
     print(f"p99 TTFT priority 1 / priority 5 = {result['p99_ratio_1_to_5']:.3f} (target <= 0.25); "
           f"priority 1 p99 / idle p50 = {result['p99_1_to_idle']:.2f} (target <= 2)")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":
