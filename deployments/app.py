@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from ray.serve import Application
 
+from deployments.admission import serve_max_ongoing
 from deployments.config import AppArgs
 from deployments.ingress import Ingress
 from deployments.embeddings import EmbeddingServer
@@ -45,7 +46,7 @@ def pd_app(args: AppArgs | dict | None = None, prefill_options: dict | None = No
     if p_id != d_id:
         raise ValueError(f"prefill_model / decode_model: P and D must serve the same model, since D continues "
                          f"from P's KV; got {prefill_model!r} and {decode_model!r}")
-    options = dict(max_ongoing_requests=args.max_ongoing_requests)
+    options = dict(max_ongoing_requests=serve_max_ongoing(args.max_ongoing_requests))
     store = _lora_store(args)
     prefill = PrefillServer.options(**{**options, **(prefill_options or {})})
     kv = make_kv_connector(args.kv_transport, args.kv_lease_s)
@@ -62,7 +63,7 @@ def colocated_app(args: AppArgs | dict | None = None, llm_options: dict | None =
     """``build_colocated_app`` for Python callers, with deployment options for the engine."""
     args = _args(args)
     resolve_model_dir(args.model)
-    options = dict(max_ongoing_requests=args.max_ongoing_requests, **(llm_options or {}))
+    options = dict(max_ongoing_requests=serve_max_ongoing(args.max_ongoing_requests), **(llm_options or {}))
     store = _lora_store(args)
     llm = LLMServer.options(**options).bind(args.engine_config(), store, args.max_loras, args.heartbeat_s,
                                             args.step_timeout_s)

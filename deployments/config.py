@@ -48,7 +48,8 @@ class AppArgs(BaseModel):
         None, description="each request's tokens and logprobs independent of the other requests of its steps and "
         "of its prompt's chunking (docs/sampling.md); costs throughput. Default: PDSERVE_BATCH_INVARIANT=1 "
         "in the replicas' environment turns it on where it can be")
-    max_ongoing_requests: int = Field(256, gt=0, description="concurrent requests per P/D replica")
+    max_ongoing_requests: int = Field(256, gt=0, description="admission's request budget per P/D replica; the engines' Serve "
+                                      "max_ongoing_requests is sized from it (deployments/admission.py)")
     finish_reasons: Literal["openai", "mindie"] = Field(
         "openai", description="finish_reason values on /v1: OpenAI's (stop, length) or MindIE's")
     max_migrations: int = Field(3, ge=0, description="times a request moves to another replica when the one "

@@ -1,17 +1,23 @@
 """The scheduler decides, each step, which tokens of which requests run.
 
 Policy:
-- order: priority 1..5 (1 first), FIFO within a level (``Sequence.order_key``);
-- running requests first, in that order: a decoding request takes 1 token of the step's
-  budget (1 + k with k draft tokens to verify, as many as the budget leaves room for), a
-  prefilling one a chunk of its prompt (chunked prefill);
-- then waiting requests are admitted in that order while blocks, the token budget and
-  ``max_num_seqs`` allow; admission stops at the first that does not fit, so a later,
-  smaller request never overtakes it;
+- order: priority 1..5 (1 first), FIFO within a level (``Sequence.order_key``). Priority is an
+  order of service (the seeds' "1 is the highest"): a request enters the very next step
+  whatever lower-priority work fills it;
+- the step's token budget is handed out in that order: a decoding request takes 1 token
+  (1 + k with k draft tokens to verify, as many as the budget leaves room for), a prefilling
+  one a chunk of its prompt (chunked prefill). Within a level running requests come before
+  waiting ones; a waiting request of higher priority than a running one is admitted before
+  that running one takes its share, so its chunk goes ahead of lower-priority chunks;
+- waiting requests are admitted in order while blocks, the token budget and ``max_num_seqs``
+  allow; admission stops at the first that does not fit, so a later, smaller request never
+  overtakes it;
 - when a running request cannot get a block, the lowest-priority, most recently arrived
   running request is preempted (blocks freed, requeued for recomputation), which may be the
-  request itself; a request never preempts one of higher priority. A waiting request
-  preempts only running requests of strictly lower priority.
+  request itself; a request never preempts one of higher priority. The first waiting request
+  preempts running requests of strictly lower priority, lowest and latest first, until it has
+  the blocks for its first chunk and a seat in ``max_num_seqs``; a preempted request resumes
+  from its prompt and generated tokens (prefix hits keep that cheap) and ends as it would have.
 - prefix caching: a waiting request first takes the cached blocks that hold its leading full
   blocks (``BlockManager.computed_prefix``) and computes from there; a request whose KV
   arrives from P takes its hits and imports only the rest; a request that scores its prompt
@@ -31,7 +37,7 @@ import heapq
 import time
 
 from engine.block_manager import BlockManager
-from engine.request import PendingChoice, Sequence, SequenceStatus
+from engine.request import PRIORITY_MAX, PendingChoice, Sequence, SequenceStatus
 
 
 @dataclass
@@ -131,11 +137,17 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         self._arrived = []
+        may_overtake = True  # False once a waiting request of higher priority found no room this step
         for seq in sorted(self.running, key=lambda s: s.order_key):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if may_overtake and self._waiting and self._waiting[0][1].priority < seq.priority:
+                budget = self._admit(batch, budget, below=seq.priority)  # its chunk before this one's
+                may_overtake = not (self._waiting and self._waiting[0][1].priority < seq.priority)
+                if budget == 0:
+                    break
             n = self._new_tokens(seq, seq.num_computed_tokens, budget)
             if n == 0:  # a beam that has reported its step waits for its siblings (engine/decoding/beam_search.py)
                 continue
@@ -151,8 +163,10 @@ class Scheduler:
         batch.sampling = [seq.num_computed_tokens + n >= seq.num_tokens for seq, n in batch.entries]
         return batch
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        while self._waiting and budget > 0 and self._has_room_for(self._waiting[0][1]):
+    def _admit(self, batch: ScheduledBatch, budget: int, below: int = PRIORITY_MAX + 1) -> int:
+        """Admit waiting requests of priority under ``below`` in order; the budget left."""
+        while self._waiting and budget > 0 and self._waiting[0][1].priority < below \
+                and self._has_room_for(self._waiting[0][1]):
             seq = self._waiting[0][1]
             hits = self._prefix_hits(seq)
             hit_tokens = len(hits) * self.blocks.block_size
@@ -182,6 +196,7 @@ class Scheduler:
             self.running.append(seq)
             batch.entries.append((seq, n))
             budget -= n
+        return budget
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         return [] if seq.scores_prompt else self.blocks.computed_prefix(seq)
@@ -215,13 +230,13 @@ class Scheduler:
         return True
 
     def _preempt_for_waiting(self, batch: ScheduledBatch) -> None:
-        """Free blocks for the first waiting request by preempting lower-priority running ones."""
+        """Free blocks and a seat for the first waiting request by preempting lower-priority running ones."""
         if not self._waiting:
             return
         head = self._waiting[0][1]
         hits = self._prefix_hits(head)
         computed, n = self._first_chunk(head, len(hits) * self.blocks.block_size, self.max_num_batched_tokens)
-        while not self.blocks.can_allocate(head, computed + n, hits):
+        while not (self.blocks.can_allocate(head, computed + n, hits) and self._has_room_for(head)):
             lower = [s for s in self.running if s.priority > head.priority]
             if not lower:
                 return

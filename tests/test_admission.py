@@ -3,15 +3,19 @@ per role and per replica, priority's headroom at the bound, and charges released
 The burst through every dialect against a running app is in tests/test_stalls.py."""
 
 import asyncio
+from pathlib import Path
 
 import pytest
+import yaml
 
-from deployments.admission import SHARE, Admission, Overloaded, admitted
+from deployments.admission import IN_FLIGHT_FACTOR, SHARE, Admission, Overloaded, admitted, serve_max_ongoing
+from deployments.config import AppArgs
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 
 TOKENS_PER_REPLICA = 1000
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def request(prompt_tokens: int, max_tokens: int, priority: int = 5, n: int = 1) -> GenerationRequest:
@@ -59,7 +63,7 @@ def test_priority_1_is_admitted_at_the_bound_where_priority_5_is_refused():
     with pytest.raises(Overloaded):
         admission.admit(request(50, 50, priority=5))
     admission.admit(request(50, 50, priority=1))  # the headroom kept for higher priorities
-    assert len(fill(admission, 1, 100)) == 3  # priority 1 goes on to the whole budget: 1000 tokens
+    assert len(fill(admission, 1, 100)) == 9  # priority 1's own 1000 tokens, beside priority 5's 600
     with pytest.raises(Overloaded):
         admission.admit(request(50, 50, priority=1))
 
@@ -74,9 +78,35 @@ def test_the_budget_grows_with_the_replicas():
 
 def test_an_idle_role_admits_a_request_larger_than_its_budget():
     admission = pd()
-    admission.admit(request(2000, 2000, priority=5))
+    admission.admit(request(2000, 2000, priority=3))
     with pytest.raises(Overloaded):
+        admission.admit(request(1, 1, priority=3))
+    admission.admit(request(2000, 2000, priority=1))  # nothing of priority 1 in flight: idle for it
+
+
+def test_lower_priority_work_never_refuses_a_higher_priority_request():
+    """Priority is an order of service: priority p is measured against the work of priority <= p
+    only, so priority 5 filling its share, in tokens or in requests, never refuses priority 1..4,
+    and priority 1 is refused only by priority-1 work filling the whole budget."""
+    admission = pd(requests_per_replica=10)
+    fill(admission, 5, 100)  # 6 requests, 600 tokens: priority 5's 60% (of both bounds)
+    assert admission.load["DecodeServer"].requests_by_priority[5] == 6
+    assert len(fill(admission, 4, 100)) == 7  # priority 4's 70%, none of it taken by priority 5
+    assert len(fill(admission, 1, 100)) == 10  # priority 1: the whole budget, beside 13 lower ones
+    with pytest.raises(Overloaded, match="priority 1..1"):
         admission.admit(request(1, 1, priority=1))
+    assert admission.load["DecodeServer"].requests == 23 <= IN_FLIGHT_FACTOR * 10
+
+
+def test_the_engines_serve_cap_is_admissions_most_in_flight():
+    """Serve's router must never queue a call admission let through (a queued call waits in FIFO
+    order, not by priority): the configs' engine deployments take what admission can send them."""
+    assert serve_max_ongoing(256) == 1024 == IN_FLIGHT_FACTOR * 256
+    for name in ("local.yaml", "colocated.yaml", "pd-autoscale.yaml"):
+        app = yaml.safe_load((ROOT / "configs" / name).read_text())["applications"][0]
+        budget = app["args"].get("max_ongoing_requests", AppArgs.model_fields["max_ongoing_requests"].default)
+        engines = [d for d in app["deployments"] if d["name"] in ("PrefillServer", "DecodeServer", "LLMServer")]
+        assert engines and all(d["max_ongoing_requests"] == serve_max_ongoing(budget) for d in engines), name
 
 
 def test_p_is_released_at_the_first_output_d_at_the_end_each_once_however_the_stream_ends():
