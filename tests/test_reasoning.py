@@ -26,13 +26,18 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 THOUGHT = "<think>\nThe user adds. 2 + 3 = 5.\n</think>\n\nIt is 5."
 
 
-def engine_with_template(directory: Path, template: str) -> LLMEngine:
-    """A float32 engine on the model in ``directory``, its chat template replaced by ``template``."""
+def use_template(directory: Path, template: str) -> Path:
+    """``directory`` (a model's, or its tokenizer's), its chat template replaced by ``template``."""
     (directory / "chat_template.jinja").write_text(template)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return LLMEngine(EngineConfig(model=str(directory), dtype="float32"))
+    return directory
+
+
+def engine_with_template(directory: Path, template: str) -> LLMEngine:
+    """A float32 engine on the model in ``directory``, its chat template replaced by ``template``."""
+    return LLMEngine(EngineConfig(model=str(use_template(directory, template)), dtype="float32"))
 
 
 @pytest.fixture(scope="module")

@@ -1,98 +1,102 @@
-"""OpenAI's Responses API on a reasoning model, with the openai SDK, unmodified: a tiny random
-Qwen3 with the Qwen3 thinking models' template (the generation prompt opens ``<think>``). The SDK
-talks to the dialects in-process (an httpx transport that runs what the ingress runs for
-/v1/responses and /v1/chat/completions: the exchange, the chat request, the engine), so no Ray
-app is started; tests/test_api_responses.py has the served app's refusals.
+"""OpenAI's Responses API on a reasoning model, with the openai SDK, unmodified, through the real
+/v1/responses and /v1/chat/completions routes in process (tests/inprocess_app.py: the ingress's
+route bodies, its error handlers, the engine client, an AsyncEngine behind them); no Ray app is
+started. tests/test_api_responses.py has the served app's refusals.
 
-A random model never ends its thinking by itself: the transport gives each request a thinking
-budget (the one Anthropic's budget_tokens sets on the same chat request), which writes
-``</think>`` after BUDGET tokens, so that an answer follows. The engine is float32 and every
-request is seeded, so answers are compared exactly."""
+The model writes one script whatever it is asked: a tiny Qwen3 with the Qwen3 thinking models'
+template (the generation prompt opens ``<think>``) whose weights think THOUGHT, close ``</think>``,
+then answer ANSWER over and over. A random model never ends its thinking, and a Responses request
+has no thinking budget to end it: this one ends it by itself, as a reasoning model does. Its
+layers add nothing to the residual stream, so its last hidden state is the current token's
+embedding (orthonormal over the script's tokens), and lm_head gives the script's next token a
+logit of 32 over the rest's 0: the script, whatever the sampling seed. A request's grammar (a JSON
+format, a tool call) still decides what follows the thinking. Requests are seeded, so answers are
+compared exactly."""
 
-import asyncio
+from __future__ import annotations
+
 import copy
-import json
+import itertools
+from pathlib import Path
 import time
 
-from fastapi.exceptions import RequestValidationError
 import httpx
 import openai
-from pydantic import ValidationError
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dialects.errors import APIError, on_validation_error
+from deployments.config import AppArgs
+from dialects.errors import APIError
 from dialects.openai_api import OpenAIFrontend
-from dialects.openai_schema import ChatCompletionRequest
 from dialects.reasoning import THINK_END, THINK_START
 from dialects.responses import ResponsesExchange, ResponseStore
 from dialects.responses_schema import ResponsesRequest
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from engine.execution.tiny_model import ensure_tiny_model
-from tests.test_reasoning import engine_with_template
+from tests.inprocess_app import InProcessApp
+from tests.test_reasoning import use_template
 from tests.test_reasoning_grammar import THINKING_TEMPLATE, long_qwen3
 
 CAP = 64
-BUDGET = 8
-LIMIT = 24  # max_output_tokens: the budget, </think>'s 6 tokens, some answer
+THOUGHT, ANSWER = "Rayleigh", " BLUE."  # 8 and 6 tokens of tiny-llama's, none twice in the script
+LIMIT = 24  # max_output_tokens: the thought, </think>'s 6 tokens, some answer
 MODEL = "tiny-qwen3"
 QUESTION = "Why is the sky blue?"
 CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
                "required": ["city"], "additionalProperties": False}
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "parameters": CITY_SCHEMA, "strict": True}
 # The answer after the thinking as JSON: it ends by itself (the response is completed), where the
-# random model's free text runs to max_output_tokens (incomplete).
+# scripted free text runs to max_output_tokens (incomplete).
 CITY = {"format": {"type": "json_schema", "name": "city", "schema": CITY_SCHEMA}}
 
 
-class InProcess:
-    """What the ingress does for /v1/responses and /v1/chat/completions, with ``engine`` stepped
-    here; ``choices``: the last request's, for the token ids behind its usage."""
+def script_ids(tokenizer) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The script's token ids: the prompt's last token (the newline after the generation prompt's
+    <think>), THOUGHT's, </think>'s, ANSWER's; each token once."""
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+    parts = ids(THINK_START + "\n")[-1:], ids(THOUGHT), ids(THINK_END), ids(ANSWER)
+    chain = [token for part in parts for token in part]
+    assert len(set(chain)) == len(chain), "a token twice in the script: its next token would be ambiguous"
+    return parts
 
-    def __init__(self, engine, front) -> None:
-        self.engine, self.front, self.store = engine, front, ResponseStore()
-        self.choices = []
 
-    def handle(self, http: httpx.Request) -> httpx.Response:
-        raw = json.loads(http.content)
-        try:
-            if http.url.path.endswith("/responses"):
-                body = ResponsesRequest.model_validate(raw)
-                exchange = ResponsesExchange(body, self.front, self.store)
-                request, request_id = exchange.chat, exchange.id
-            else:
-                body = request = ChatCompletionRequest.model_validate(raw)
-                request_id = "chatcmpl-test"
-            request._thinking_budget = BUDGET
-            self.choices = self.front.chat_choices(request, request_id, time.time() + 600)
-        except ValidationError as error:  # as the ingress's handler answers it
-            refusal = asyncio.run(on_validation_error(None, RequestValidationError(error.errors())))
-            return httpx.Response(refusal.status_code, content=refusal.body)
-        except APIError as error:
-            return httpx.Response(error.status, json=error.body())
-        (choice,) = self.choices
-        self.engine.add_request(choice.request)
-        writer = exchange.writer(self.choices) if body.stream else None
-        events = ""
-        for _ in range(4 * CAP):  # bounded: one token a step, at most CAP of them
-            for output in self.engine.step():
-                choice.outputs.append(output)
-                events += writer.write(0, output) if writer else ""
-            if choice.outputs and choice.final.finished:
-                break
-        if writer is not None:
-            return httpx.Response(200, text=events, headers={"content-type": "text/event-stream"})
-        if isinstance(body, ResponsesRequest):
-            return httpx.Response(200, json=exchange.response(self.choices))
-        return httpx.Response(200, json=self.front.chat_response(request_id, self.choices, 0))
+def scripted_qwen3(directory: Path) -> Path:
+    """long_qwen3's model in ``directory``, its weights rewritten to write the script (the module's
+    docstring says how); the thinking template its chat template."""
+    long_qwen3(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    opening, thought, tag, answer = script_ids(AutoTokenizer.from_pretrained(directory))
+    chain = opening + thought + tag + answer
+    follows = [*itertools.pairwise(chain), (answer[-1], answer[0])]  # (token, its next): the answer repeats
+    torch.manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(model.config.hidden_size, len(chain)))[0].T  # orthonormal rows
+    with torch.no_grad():
+        for layer in model.model.layers:  # nothing added to the residual: it stays the token's embedding
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[chain] = basis
+        model.lm_head.weight.zero_()
+        for token, following in follows:  # the final RMSNorm scales a unit vector to norm sqrt(64) = 8
+            model.lm_head.weight[following] += 4 * basis[chain.index(token)]
+    assert not model.config.tie_word_embeddings
+    model.save_pretrained(directory)
+    return use_template(directory, THINKING_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    engine = engine_with_template(long_qwen3(tmp_path_factory.mktemp("qwen3") / MODEL), THINKING_TEMPLATE)
-    in_process = InProcess(engine, OpenAIFrontend(engine.tokenizer, MODEL, engine.vocab_size, 1024, CAP))
+    """The routes over the scripted model, and an openai client that sends to them."""
+    model = scripted_qwen3(tmp_path_factory.mktemp("qwen3") / MODEL)
+    app = InProcessApp(AsyncEngine(EngineConfig(model=str(model), dtype="float32", max_iter_times=CAP,
+                                                torch_threads=1)),
+                       AppArgs(model=str(model), served_model_name=MODEL))
     client = openai.OpenAI(base_url="http://in-process/v1", api_key="unused", max_retries=0,
-                           http_client=httpx.Client(transport=httpx.MockTransport(in_process.handle)))
-    return in_process, client
+                           http_client=httpx.Client(transport=app.transport()))
+    yield app, client
+    app.close()
 
 
 def create(client, **fields):
@@ -113,6 +117,11 @@ def test_the_thinking_is_a_reasoning_item_before_the_message(served):
     ((part,),) = [reasoning.content]
     assert part.type == "reasoning_text" and part.text and THINK_END not in part.text
     assert response.output_text == message.content[0].text and THINK_END not in response.output_text
+    # What the model wrote, split: THOUGHT, then the answer up to max_output_tokens.
+    _, thought, tag, answer = script_ids(served[0].frontend().tokenizer)
+    assert part.text == THOUGHT
+    said = served[0].frontend().tokenizer.decode((answer * LIMIT)[:LIMIT - len(thought) - len(tag)])
+    assert response.output_text == said and response.status == "incomplete"
 
 
 def test_the_reasoning_is_chats_reasoning_content(served):
@@ -128,17 +137,19 @@ def test_the_reasoning_is_chats_reasoning_content(served):
 
 
 def test_reasoning_tokens_count_the_thinking_through_its_closing_tag(served):
-    in_process, client = served
+    app, client = served
+    decode = app.frontend().tokenizer.decode
+    _, thought, tag, answer = script_ids(app.frontend().tokenizer)
     response = create(client)
-    ids, decode = in_process.choices[0].final.output_token_ids, in_process.engine.tokenizer.decode
+    ids = thought + tag + answer * LIMIT  # what the model writes
     counted = response.usage.output_tokens_details.reasoning_tokens
-    assert BUDGET < counted < response.usage.output_tokens  # the budget's tokens, the tag's, then the answer
+    assert counted == len(thought) + len(tag) and response.usage.output_tokens == LIMIT  # the tag's, then the answer
     assert decode(ids[:counted]).endswith(THINK_END) and THINK_END not in decode(ids[:counted - 1])
     # Cut while it thinks: every token is the thinking's, and the reasoning item is all there is.
-    cut = create(client, max_output_tokens=BUDGET // 2)
+    cut = create(client, max_output_tokens=len(thought) // 2)
     assert [item.type for item in cut.output] == ["reasoning"] and cut.status == "incomplete"
     assert cut.output[0].status == "incomplete"
-    assert cut.usage.output_tokens_details.reasoning_tokens == cut.usage.output_tokens == BUDGET // 2
+    assert cut.usage.output_tokens_details.reasoning_tokens == cut.usage.output_tokens == len(thought) // 2
     # effort "none" switches the template's thinking off (it reads enable_thinking): no thinking.
     plain = create(client, reasoning={"effort": "none"})
     assert [item.type for item in plain.output] == ["message"] and plain.reasoning.effort == "none"
@@ -200,7 +211,7 @@ def test_a_reasoning_item_sent_back_is_the_turns_thinking_as_previous_response_i
     assert without_ids(continued.output) == without_ids(resent.output)
     body = ResponsesRequest.model_validate({"input": [question, reasoning.model_dump(exclude_none=True),
                                                       call.model_dump(exclude_none=True), result]})
-    assistant = ResponsesExchange(body, served[0].front, ResponseStore()).chat.messages[1]
+    assistant = ResponsesExchange(body, served[0].frontend(), ResponseStore()).chat.messages[1]
     assert assistant.content == THINK_START + reasoning.content[0].text + THINK_END
     assert [c.function.name for c in assistant.tool_calls] == ["get_weather"]
 
@@ -222,11 +233,11 @@ def test_what_cannot_be_honoured_is_refused_by_name(served, fields, param):
 def test_reasoning_controls_follow_the_served_template(served):
     """effort reaches a template that reads reasoning_effort; a model that does not reason refuses
     effort and reasoning items by name."""
-    in_process, _ = served
-    graded = copy.deepcopy(in_process.engine.tokenizer)
+    served_front = served[0].frontend()
+    graded = copy.deepcopy(served_front.tokenizer)
     graded.chat_template = "{{- 'Effort: ' + reasoning_effort + '\\n' if reasoning_effort is defined }}" + \
         THINKING_TEMPLATE
-    front = OpenAIFrontend(graded, MODEL, in_process.engine.vocab_size, 1024, CAP)
+    front = OpenAIFrontend(graded, MODEL, served_front.vocab_size, 1024, CAP)
     body = ResponsesRequest.model_validate({"input": QUESTION, "reasoning": {"effort": "low"}})
     chat = ResponsesExchange(body, front, ResponseStore()).chat
     (choice,) = front.chat_choices(chat, "graded", time.time() + 600)

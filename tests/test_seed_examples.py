@@ -2,10 +2,9 @@
 gets the documented answer: its status, its fields and their types. One row per example: a seed
 with a new example adds a row to EXAMPLES.
 
-In process: the ingress's own route methods (deployments/ingress.py, called on a view holding the
-dialects' serving objects), the ingress's error handlers, the real engine client (admission,
-traces, first-output handling: deployments/engine_client.py) and an AsyncEngine behind it, on a
-random Llama with a 32000-token vocabulary (the example's token ids go up to 19678; ids past
+In process (tests/inprocess_app.py): the ingress's own route methods (deployments/ingress.py),
+the ingress's error handlers, the real engine client (admission, traces, first-output handling:
+deployments/engine_client.py) and an AsyncEngine behind it, on a random Llama with a 32000-token vocabulary (the example's token ids go up to 19678; ids past
 tiny-llama's tokenizer decode to no text). Only Ray's transport is left out: the served routes are
 tested in tests/test_api_*.py and tests/test_serve_pd.py.
 
@@ -15,32 +14,18 @@ test_seed_fidelity.py, test_sampling_npu.py and test_api_validation.py."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from dataclasses import dataclass
 import json
 import time
-from types import SimpleNamespace
 from typing import Callable
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-import httpx
 import pytest
 
-from deployments.admission import Admission
 from deployments.config import AppArgs
-from deployments.engine_client import ServeEngineClient
-from deployments.http_app import in_route_dialect
-from deployments.ingress import Ingress, served_settings
-from dialects.errors import APIError, on_api_error, on_validation_error
-from dialects.mindie_serving import MindIEServing
-from dialects.openai_schema import ChatCompletionRequest
-from dialects.openai_serving import OpenAIServing
-from dialects import mindie
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.model_info import ModelInfo
+from tests.inprocess_app import InProcessApp
 from tests.models import make_random_model
 
 VOCAB = 32000  # Llama 2's, whose ids the /infer_token example uses
@@ -159,83 +144,27 @@ EXAMPLES = [
 ]
 
 
-class EngineHandle:
-    """What the engine client asks of an engine deployment's handle, in process: ``info.remote()``."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.info = SimpleNamespace(remote=lambda: self._info(engine.engine))
-
-    @staticmethod
-    async def _info(inner) -> ModelInfo:
-        return ModelInfo(str(inner.loaded.path), inner.loaded.model_id, inner.vocab_size, inner.max_model_len,
-                         inner.config.max_iter_times, "in-process", inner.dtype, inner.config.enable_prefix_caching,
-                         inner.pad_token_id, inner.loaded.spec.hidden_size, inner.runner.attention.name,
-                         inner.runner.batch_invariant, inner.runner.sampler.backend_name)
-
-
-class InProcessBackend:
-    """deployments/backends.py's ColocatedBackend with the engine in this process."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine, self.handles = engine, {"LLMServer": EngineHandle(engine)}
-
-    async def stream(self, request, trace=None):
-        async for output in self.engine.generate(request):
-            yield output
-
-
 @pytest.fixture(scope="module")
-def seed_app(tmp_path_factory) -> FastAPI:
+def seed_app(tmp_path_factory) -> InProcessApp:
     """The ingress's generation routes for the seeds' dialects, colocated, with the seeds' names:
     gpt-3.5-turbo an alias of the model, MindIE's finish reasons (001's example answers eos_token)."""
     model = make_random_model(tmp_path_factory.mktemp("models") / "llama-32k", "llama", vocab_size=VOCAB)
     args = AppArgs(model=str(model), served_model_name="llama-32k", model_aliases=["gpt-3.5-turbo"],
                    finish_reasons="mindie")
-    engine = AsyncEngine(EngineConfig(model=str(model), dtype="float32", max_iter_times=64, torch_threads=1))
-    client = ServeEngineClient(served_settings(args, pd=False, serves_lora=False), InProcessBackend(engine),
-                               Admission(None, "LLMServer", args.admission_tokens_per_replica,
-                                         args.max_ongoing_requests, lambda _: 1),
-                               0, lambda trace, outcome: None)
-    view = SimpleNamespace(mindie=MindIEServing(client), openai=OpenAIServing(client))
-    app = FastAPI()
-    app.add_exception_handler(APIError, in_route_dialect(on_api_error))
-    app.add_exception_handler(RequestValidationError, in_route_dialect(on_validation_error))
-
-    @app.middleware("http")
-    async def arrival(request: Request, call_next):  # what http_app's middleware sets for the routes
-        request.state.arrival = time.time()
-        return await call_next(request)
-
-    @app.post("/infer_token")
-    async def infer_token(body: mindie.InferTokenRequest, http: Request):
-        return await Ingress.func_or_class.infer_token(view, body, http)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http: Request):
-        return await Ingress.func_or_class.chat_completions(view, body, http)
-
+    app = InProcessApp(AsyncEngine(EngineConfig(model=str(model), dtype="float32", max_iter_times=64,
+                                                torch_threads=1)), args)
     # First calls' costs (the tokenizer's load, the engine's first steps) before the rows: 000's
     # example asks for a 10 s timeout, which a loaded box must not spend on them.
-    asyncio.run(warm_up(app))
-    yield app
-    engine.shutdown()
-
-
-async def warm_up(app: FastAPI) -> None:
     for route, body in (("/infer_token", {"input_id": [5, 6], "parameters": {"max_new_tokens": 2}}),
                         ("/v1/chat/completions", {**CHAT_SINGLE, "max_tokens": 2})):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://seeds") as client:
-            assert (await client.post(route, json=body, timeout=120)).status_code == 200
-
-
-async def send(app: FastAPI, example: Example) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://seeds") as client:
-        return await client.post(example.route, json=example.body, timeout=120)
+        assert app.post(route, body).status_code == 200
+    yield app
+    app.close()
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: f"{e.seed}-{e.name}")
 def test_a_seed_example_as_written_gets_the_documented_answer(example, seed_app):
-    response = asyncio.run(send(seed_app, example))
+    response = seed_app.post(example.route, example.body)
     assert response.status_code == 200, response.text
     if example.body.get("stream"):
         assert response.headers["content-type"].startswith("text/event-stream")
