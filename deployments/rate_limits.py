@@ -13,9 +13,13 @@ A request is refused (429, Retry-After: when the window will have room) when its
 ``rpm`` requests in the window, or used ``tpm`` tokens; tokens are counted as they are used, so a
 request admitted under the budget may end above it, and the next waits.
 
-The counts live in one named Ray actor per application (``RateCounter``), which every ingress
-replica calls: one call per limited request, none for a key without limits. If that actor is lost
-(its owner replica died), the next call makes a new one: the window starts empty.
+The counts live in one named, detached Ray actor per application (``RateCounter``,
+"pdserve-rate-limits:<app>"), which every ingress replica calls: one call per limited request, none
+for a key without limits. Detached, so that it outlives the ingress replica that made it (a
+replica's own actors die with it, and a restarted ingress would find the name of a dead actor); it
+stays when the application is deleted (a few kilobytes) and is found again when it is deployed
+again. Each ingress starts it when it starts, so a request does not wait for a worker to start. If it
+is lost all the same, the next call makes a new one: the window starts empty.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ WINDOW_S = 60.0
 DEFAULT_KEY = "default"
 LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
                            "/v1/messages", "/infer_token"})
-COUNTER_CALL_TIMEOUT_S = 5.0
+COUNTER_CALL_TIMEOUT_S = 30.0  # a clean 503 past it; a loaded machine's actor call can take seconds
 
 
 class KeyLimits(BaseModel):
@@ -149,10 +153,13 @@ class RateLimiter:
             for kind in ("rpm", "tpm"):
                 if getattr(key_limits, kind) is not None:
                     configured.labels(name, kind).set(getattr(key_limits, kind))
+        if limits.default.limited or any(key.limited for key in limits.keys.values()):
+            self.counter()  # started now: its worker is up before the first limited request
 
     def counter(self):
         if self._counter is None:
-            self._counter = RateCounter.options(name=self.actor_name, namespace="serve", get_if_exists=True).remote()
+            self._counter = RateCounter.options(name=self.actor_name, namespace="serve", get_if_exists=True,
+                                                lifetime="detached").remote()
         return self._counter
 
     async def _call(self, method: str, *args):

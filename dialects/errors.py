@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -65,12 +66,20 @@ def from_value_error(error: ValueError) -> APIError:
     return APIError(400, message, param, "invalid_value")
 
 
-async def on_http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
     """FastAPI's own errors (a body that cannot be parsed, an unknown route or method) in OpenAI's shape."""
     code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
     response = error_response(error.status_code, str(error.detail), None, code)
-    response.headers.update(error.headers or {})  # 405's Allow
+    response.headers.update(error.headers or {})
+    if error.status_code == 405:  # Starlette's Allow names the first route of the path; a path can have several
+        response.headers["Allow"] = ", ".join(allowed_methods(request))
     return response
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method a route of the request's path takes (POST /v1/files and GET /v1/files are two routes)."""
+    return sorted({method for route in request.app.routes if getattr(route, "methods", None)
+                   and route.matches(request.scope)[0] is not Match.NONE for method in route.methods})
 
 
 async def on_api_error(_: Request, error: APIError) -> JSONResponse:

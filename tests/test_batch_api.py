@@ -139,7 +139,7 @@ def test_an_embeddings_batch(base_url):
              for i in range(2)]
     done = poll(base_url, run_batch(client, lines, "/v1/embeddings").id, lambda b: b["status"] in FINAL)
     outputs = {o["custom_id"]: o["response"]["body"] for o in output_lines(client, done["output_file_id"])}
-    direct = client.embeddings.create(input="text 1", encoding_format="float")
+    direct = client.embeddings.create(model="all-MiniLM-L6-v2", input="text 1", encoding_format="float")
     assert outputs["e1"]["data"][0]["embedding"] == pytest.approx(direct.data[0].embedding, abs=1e-6)
 
 

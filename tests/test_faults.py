@@ -316,42 +316,6 @@ def test_no_decode_replica_answering_p_serves_alone_then_pd_comes_back(base_url)
     assert_nothing_held(["PrefillServer", "DecodeServer"], "pd", 120)
 
 
-def client_leaves_mid_fetch(url: str, app: str) -> None:
-    """A client leaves while D fetches its request's KV (every D's fault hook holds its next fetch in
-    flight, as a stuck link would): D's fetch is cancelled and counted, no replica holds anything for
-    the request, and a later request, on the blocks it held, gives a clean run's tokens."""
-    # 15 prompt tokens, less than a KV block: no D finds them in its prefix cache after the clean
-    # run, so the faulted request's D must fetch them from P.
-    path = "/infer_token"
-    body = {"input_id": [1] + [101 + j for j in range(14)], "stream": True,
-            "parameters": {"max_new_tokens": 16, "ignore_eos": True, "do_sample": False, "details": True}}
-    clean = reference_text(url, path, body)
-    cancelled_before = pd_metric(url, "pdserve_kv_transfers_failed", 'cause="cancelled"')
-    decode = replicas("DecodeServer", app)
-    for name in decode:
-        call_replica(name, "hang_next_fetch", 3600.0)
-    try:
-        with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as response:
-            assert response.status_code == 200  # P's first token: the KV is on its way to D
-            next(line for line in response.iter_lines() if line.startswith("data: "))
-            # The fault, proven: D reports the fetch in flight (through the ingress's probes, /metrics).
-            assert wait_until(lambda: pd_metric(url, "pdserve_kv_transfers_in_flight") == 1, 60, 0.2)
-        # the client has gone
-        assert wait_until(lambda: pd_metric(url, "pdserve_kv_transfers_failed", 'cause="cancelled"')
-                          == cancelled_before + 1, 60, 0.2)
-        assert pd_metric(url, "pdserve_kv_transfers_in_flight") == 0
-    finally:
-        for name in decode:  # the hook of the replica the request did not reach is still set
-            call_replica(name, "hang_next_fetch", 0.0)
-    assert_nothing_held(["PrefillServer", "DecodeServer"], app, 120)
-    assert reference_text(url, path, body) == clean
-
-
-@pytest.mark.slow
-def test_a_client_that_leaves_while_d_fetches_its_kv_over_the_object_store_leaves_nothing_held(base_url):
-    client_leaves_mid_fetch(base_url, "pd")
-
-
 @pytest.mark.slow
 def test_the_one_colocated_replica_killed_mid_stream_the_stream_waits_and_completes(base_url):
     path, body = bodies(True)[3]  # MindIE, seeded sampling

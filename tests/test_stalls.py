@@ -26,8 +26,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from tests.serving import (RAY_INTERNALS, assert_nothing_held, call_replica, migrations, processes, replica_process,
                            replicas, serve_session, sigkill, stopped, wait_until, work_done)
-from deployments.kv_direct import segments
-from tests.test_faults import LONG, client_leaves_mid_fetch, reference_texts, streams_running
+from tests.test_faults import LONG, reference_texts, streams_running
 
 APP = "stalls"
 STALL_TIMEOUT_S = 3
@@ -233,13 +232,6 @@ def test_without_degradation_no_decode_replica_answering_is_a_clean_503_at_once(
         assert not RAY_INTERNALS.search(response.text), response.text
     assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).status_code == 200, 180, 0.5)
     assert httpx.post(f"{base_url}{requests[0][0]}", json=requests[0][1], timeout=60).status_code == 200
-
-
-@pytest.mark.slow
-def test_a_client_that_leaves_while_d_maps_its_kv_segment_leaves_nothing_held_and_no_segment(base_url):
-    before = set(segments())
-    client_leaves_mid_fetch(base_url, APP)
-    assert wait_until(lambda: not set(segments()) - before, 60, 0.2), set(segments()) - before
 
 
 @pytest.mark.slow
