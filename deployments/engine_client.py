@@ -70,6 +70,7 @@ class ServeEngineClient:
         self.end_trace = end_trace
         self.lora_store, self.embedder = lora_store, embedder
         self._info: ModelInfo | None = None
+        self._info_lock = asyncio.Lock()
         self._tokenizer = None
         self._lora_names: dict[str, LoraRef] | None = None
         self._lora_shape: ModelShape | None = None
@@ -78,18 +79,25 @@ class ServeEngineClient:
             lambda stream, key_name, request: stream)
 
     async def model_info(self) -> ModelInfo:
-        """What the engines serve; a 503 within ENGINE_WAIT_S while one of them does not answer."""
+        """What the engines serve; a 503 within ENGINE_WAIT_S while one of them does not answer.
+        Concurrent first callers share one round of calls (a burst of first requests would otherwise
+        send one each to every deployment, and the last ones would wait behind the others)."""
         if self._info is None:
-            try:
-                calls = [h.info.remote() for h in self.backend.handles.values()]
-                infos = await asyncio.wait_for(asyncio.gather(*calls), ENGINE_WAIT_S)
-            except Exception as error:
-                raise APIError(503, f"the engines are not ready ({describe(error)}); GET /health says which",
-                               code="not_ready") from None
-            if len({i.model_id for i in infos}) != 1:
-                raise APIError(503, "the prefill and decode deployments serve different models")
-            self._info = infos[0]
+            async with self._info_lock:
+                if self._info is None:
+                    self._info = await self._ask_info()
         return self._info
+
+    async def _ask_info(self) -> ModelInfo:
+        try:
+            calls = [h.info.remote() for h in self.backend.handles.values()]
+            infos = await asyncio.wait_for(asyncio.gather(*calls), ENGINE_WAIT_S)
+        except Exception as error:
+            raise APIError(503, f"the engines are not ready ({describe(error)}); GET /health says which",
+                           code="not_ready") from None
+        if len({i.model_id for i in infos}) != 1:
+            raise APIError(503, "the prefill and decode deployments serve different models")
+        return infos[0]
 
     async def tokenizer(self):
         if self._tokenizer is None:

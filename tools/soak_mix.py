@@ -24,6 +24,7 @@ CLIENT_TIMEOUT_S = 120  # a request with no answer by then is lost (a hang)
 LONG_PROMPT = 700  # tokens: past pd_local_prefill_tokens (256), so P computes it; its KV (> 100 KiB) goes
 # through Ray's object store, not inline
 OVERSIZE_BYTES = 5 << 20  # past the app's max_body_bytes (4 MiB): a 413
+REFERENCE_TRIES = 30  # a reference answered 503 (not ready) is asked again, a second apart
 DRIP_CHUNKS, DRIP_GAP_S = 8, 0.25  # a slow-drip body: 2 s, bounded
 
 
@@ -272,6 +273,12 @@ def _read_whole(record: Record, answer: dict) -> None:
 
 
 def reference(client: httpx.Client, url: str, work: Work) -> Record:
-    """The fault-free answer of ``work`` (a whole answer: the same text a stream delivers)."""
+    """The fault-free answer of ``work`` (a whole answer: the same text a stream delivers). A clean 503
+    (engines not ready yet, just after the deploy on a loaded machine) is asked again, as a client
+    told Retry-After would: at most REFERENCE_TRIES times, a second apart."""
     body = {k: v for k, v in work.body.items() if k != "timeout"}  # a deadline's reference is the whole answer
-    return send(client, url, Work(work.name, work.path, body))
+    for attempt in range(1, REFERENCE_TRIES + 1):
+        record = send(client, url, Work(work.name, work.path, body))
+        if record.status != 503 or attempt == REFERENCE_TRIES:
+            return record
+        time.sleep(1)
