@@ -24,7 +24,7 @@ from deployments.disaggregation import NO_DECODE_REPLICA, NO_PLAN, Decision, Dis
 from deployments.failures import DecodeDown, KVLeaseExpired, NoDecodeReplica
 from deployments.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.liveness import taken_then_watched, watched
-from deployments.streams import cancel_on_exit
+from deployments.streams import cancel_all, cancel_on_exit
 from deployments.tracing import KVTransfer, RequestTrace
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
@@ -212,9 +212,7 @@ async def _taken(accepted: Awaitable, lease_s: float | None, until_down: Callabl
     try:
         done, _ = await asyncio.wait(waiting, timeout=lease_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in waiting:
-            task.cancel()
-        await asyncio.gather(*waiting, return_exceptions=True)
+        await cancel_all(waiting)
     if taken in done:
         return taken.result()
     if down in done:

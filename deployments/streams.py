@@ -62,11 +62,16 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
             else:
                 yield i, item
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(tasks)
         for stream in streams:
             await stream.aclose()
+
+
+async def cancel_all(tasks) -> None:
+    """Cancel ``tasks`` and wait until each has ended (its own cleanup run), whatever it raised."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def indexed(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
