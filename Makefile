@@ -102,7 +102,7 @@ clean:
 # requirements.lock nor .venv changes. Report: `make mutants-report`.
 MUTANTS       := build/mutants
 MUTANTS_S     ?= 900
-MUTANT_PARTS  ?= sampling scheduling
+MUTANT_PARTS  ?= sampling scheduling dialects
 MUTMUT    := build/venv-mutants/bin/mutmut
 
 # .venv is built when missing, never rebuilt here: a working tree whose pyproject.toml is being
@@ -120,7 +120,7 @@ $(MUTMUT): | $(if $(wildcard $(STAMP)),,$(STAMP))
 mutants: $(MUTMUT)
 	for part in $(MUTANT_PARTS); do \
 	  rm -rf $(MUTANTS)/$$part && mkdir -p $(MUTANTS)/$$part && \
-	  cp -r sampling engine deployments dialects tests $(MUTANTS)/$$part/ && \
+	  cp -r sampling engine deployments dialects tests configs $(MUTANTS)/$$part/ && \
 	  cp tests/mutmut-$$part.cfg $(MUTANTS)/$$part/setup.cfg && \
 	  (cd $(MUTANTS)/$$part && OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=$(abspath build/torch-extensions-mutants)/$$part \
 	    timeout $(MUTANTS_S) nice -n 19 ../../venv-mutants/bin/mutmut run --max-children 2 || true); \
