@@ -33,7 +33,7 @@ import psutil  # noqa: E402
 from ray import serve  # noqa: E402
 
 from deployments.app import pd_app  # noqa: E402
-from tests.serving import RAY_INTERNALS, migrations, processes, serve_session, sigkill, stopped  # noqa: E402
+from tests.serving import RAY_INTERNALS, migrations, processes, serve_session, sigkill, stopped, wait_until  # noqa: E402
 
 STARTED_EVENTS = 5  # events each stream has read before the fault
 
@@ -152,6 +152,39 @@ def stop_decode_10s(_):
     return proof
 
 
+def stop_every_decode_15s(streams):
+    """Every D replica SIGSTOPped: none answers, so P serves alone (deployments/decode_watch.py): the
+    streams waiting on D move to P and new requests are prefilled and decoded there. The proof is
+    /health saying "degraded" while they are stopped."""
+    url = streams[0].url
+    with stopped("DecodeServer"):
+        degraded = wait_until(lambda: httpx.get(f"{url}/health", timeout=30).json().get("status") == "degraded",
+                              30, 0.2)
+        time.sleep(15)
+    return f"{len(processes('DecodeServer'))} D stopped; /health {'degraded' if degraded else 'never degraded'}"
+
+
+def kill_decode_while_requests_arrive(streams):
+    """One D SIGKILLed, and a new request sent every half second until Serve runs two D again: none
+    may be lost to the dead replica or to its replacement's start."""
+    url = streams[0].url
+    proof = kill(processes("DecodeServer")[0])
+    body = {"input_id": [1, 40, 41, 42], "parameters": {"max_new_tokens": 16, "ignore_eos": True}}
+    answers: list[int | str] = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.post(f"{url}/infer_token", json=body, timeout=120)
+            answers.append("raw" if RAY_INTERNALS.search(response.text) else response.status_code)
+        except httpx.HTTPError as error:
+            answers.append(type(error).__name__)
+        if len(processes("DecodeServer")) == 2 and answers[-1] == 200:
+            break
+        time.sleep(0.5)
+    served = answers.count(200)
+    return f"{proof}; {len(answers)} new requests until 2 D ran again: {served} served, {len(answers) - served} not"
+
+
 def disconnect_half(streams):
     for s in streams[::2]:
         s.disconnect = True
@@ -178,6 +211,8 @@ class Fault:
 FAULTS = {
     "SIGKILL D mid-stream (1 of 2 D)": Fault("running", kill_decode),
     "SIGSTOP D 10 s, then SIGCONT": Fault("running", stop_decode_10s),
+    "SIGKILL D mid-stream, new requests until it is back": Fault("running", kill_decode_while_requests_arrive),
+    "SIGSTOP every D 15 s (P serves alone), then SIGCONT": Fault("running", stop_every_decode_15s),
     "clients disconnect mid-decode": Fault("running", disconnect_half),
     "SIGKILL P before its reply": Fault("PrefillServer"),
     "SIGKILL P after its reply, before D's fetch": Fault("DecodeServer"),
