@@ -105,7 +105,7 @@ def test_an_aborted_search_ends_once_and_frees_every_beam(model_dirs):
     eng.add_request(GenerationRequest("a", prompts()[4], beam_params(4, 1.0, False, 30, None)))
     for _ in range(6):
         assert eng.step() == []  # no output before the search ends
-    assert len(eng._beams["a"].beams) == 4
+    assert len(eng.beam_search.groups["a"].beams) == 4
     (final,) = eng.abort("a")
     assert final.finished and final.finish_reason == ABORT and len(final.beams) == 4
     assert eng.blocks.counts().held == 0 and not eng.has_work()

@@ -17,7 +17,7 @@ ENGINE_FLOORS = (
     ("request", ("engine.request", "engine.detokenizer")),
     ("blocks", ("engine.block_manager", "engine.prefix_holds")),
     ("scheduler", ("engine.scheduler",)),
-    ("step loop", ("engine.llm_engine", "engine.decoding", "engine.validation", "engine.prefill_handover",
+    ("step loop", ("engine.llm_engine", "engine.decoding", "engine.validation", "engine.output_processor",
                    "engine.offline")),
     ("front", ("engine.async_engine", "engine.cli")),
 )
