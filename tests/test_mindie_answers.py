@@ -11,7 +11,7 @@ import pytest
 
 from dialects.mindie import InferTokenRequest, error_event, stream_event, text_response
 from engine.decoding.beam_search import Hypothesis
-from engine.outputs import EOS, LENGTH, TIMEOUT, RequestOutput, TokenLogprob
+from engine.outputs import ABORT, EOS, LENGTH, TIMEOUT, RequestOutput, TokenLogprob
 
 PAD = 0
 
@@ -53,11 +53,11 @@ def test_log_probs_asked_for_give_each_token_and_the_sum():
         {"id": 12, "text": None, "logprob": -0.25, "top_logprobs": [{"id": 12, "logprob": -0.25}]}]
 
 
-def test_a_timed_out_answer_says_so_in_err_msg():
-    outputs = [output([11], "He", True, TIMEOUT, output_token_ids=[11], text="He")]
+@pytest.mark.parametrize("reason, err_msg", [(TIMEOUT, "request timed out"), (ABORT, "request cancelled")])
+def test_an_answer_ended_early_says_why_in_err_msg(reason, err_msg):
+    outputs = [output([11], "He", True, reason, output_token_ids=[11], text="He")]
     details = text_response(outputs, request(details=True), PAD)["details"]
-    assert details == {"finish_reason": "stop_sequence", "generated_tokens": 1, "seed": 7,
-                       "err_msg": "request timed out"}
+    assert details == {"finish_reason": "stop_sequence", "generated_tokens": 1, "seed": 7, "err_msg": err_msg}
 
 
 def test_naming_beam_width_gives_trtllms_outputs_of_its_one_beam():
@@ -67,8 +67,12 @@ def test_naming_beam_width_gives_trtllms_outputs_of_its_one_beam():
 
 def test_beams_come_best_first_padded_with_the_pad_id():
     beams = [Hypothesis([5, 6, 7], -0.1, -0.3, [-0.1, -0.1, -0.1]), Hypothesis([8], -0.9, -0.9, [-0.9])]
-    final = output([5, 6, 7], "abc", True, LENGTH, total=3, output_token_ids=[5, 6, 7], text="abc", beams=beams)
-    details = text_response([final], request(beam_width=2, return_log_probs=True), PAD)["details"]
+    beam_logits = np.arange(12, dtype=np.float32).reshape(2, 3, 2)  # [beams, longest, V]
+    final = output([5, 6, 7], "abc", True, LENGTH, total=3, output_token_ids=[5, 6, 7], text="abc", beams=beams,
+                   generation_logits=beam_logits)
+    details = text_response([final], request(beam_width=2, return_log_probs=True, return_generation_logits=True),
+                            PAD)["details"]
+    assert np.array_equal(floats(details["generation_logits"]), beam_logits)
     assert details["output_ids"] == [[5, 6, 7], [8, PAD, PAD]] and details["sequence_length"] == [3, 1]
     assert details["cum_log_probs"] == [-0.3, -0.9]
     assert details["output_log_probs"] == [[-0.1, -0.1, -0.1], [-0.9, 0.0, 0.0]]
@@ -95,7 +99,7 @@ def test_stream_events_carry_each_token_and_the_last_the_whole_text():
     first = event(stream_event(outputs[:1], request(details=True), True, 12.345))
     assert first == {"prefill_time": 12.35, "decode_time": None, "token": {"id": 11, "text": "He", "logprob": -0.5,
                      "top_logprobs": [{"id": 11, "logprob": -0.5}, {"id": 12, "logprob": -1.5}]}}
-    last = event(stream_event(outputs, request(details=True), False, 3.21))
+    last = event(stream_event(outputs, request(details=True), False, 3.214))
     assert last["prefill_time"] is None and last["decode_time"] == 3.21
     assert last["token"]["id"] == 12 and last["token"]["text"] is None  # seeds/000: the last token's text is null
     assert last["generated_text"] == "Hello"
@@ -106,6 +110,7 @@ def test_stream_events_carry_each_token_and_the_last_the_whole_text():
 def test_a_stream_that_fails_ends_with_what_it_sent_and_err_msg(sent):
     outputs = answer()[:sent]
     last = event(error_event(outputs, "the engine failed"))
-    assert last["token"] is None and last["generated_text"] == "Hello"[:2 if sent == 1 else 5]
-    assert last["details"] == {"finish_reason": "stop_sequence", "generated_tokens": sent, "seed": 7,
-                               "err_msg": "the engine failed"}
+    assert last == {"prefill_time": None, "decode_time": None, "token": None,
+                    "generated_text": "Hello"[:2 if sent == 1 else 5],
+                    "details": {"finish_reason": "stop_sequence", "generated_tokens": sent, "seed": 7,
+                                "err_msg": "the engine failed"}}
