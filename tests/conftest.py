@@ -1,3 +1,4 @@
+import gc
 import os
 from pathlib import Path
 import shutil
@@ -75,3 +76,13 @@ def shared_ray_stops_at_the_end():
     stop_shared_session()
     if OWN_BATCH_DIR:
         shutil.rmtree(os.environ["PDSERVE_BATCH_DIR"], ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_garbage_collected():
+    """A module's engines and models are freed when it ends: an engine is part of reference cycles,
+    so only the cyclic collector frees its KV pool and weights, and it may not run for many
+    modules. The served modules' replicas need that memory (Ray's monitor kills workers past
+    95 % of the machine's)."""
+    yield
+    gc.collect()
