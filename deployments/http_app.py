@@ -1,6 +1,6 @@
 """The ingress's FastAPI app: its error handlers and its middleware, each answering in the route's
 dialect (Anthropic's shape on Anthropic's routes, OpenAI's elsewhere). The routes are the
-Ingress's methods (deployments/ingress.py, deployments/operation_routes.py).
+Ingress's methods (deployments/ingress.py; the operations routes' answers in deployments/operation_routes.py).
 """
 
 import time
@@ -16,7 +16,7 @@ from dialects import anthropic, auth, mindie
 from dialects.errors import APIError, documented, error_response, on_api_error, on_http_error, on_validation_error
 from dialects.openai_serving import SSE
 
-# /openapi.json and /docs are the Ingress's own routes (deployments/operation_routes.py): the schema
+# /openapi.json and /docs are the Ingress's own routes (deployments/ingress.py): the schema
 # carries the served model's limits.
 app = FastAPI(title="pdserve", description="LLM serving with prefill/decode disaggregation on Ray Serve",
               openapi_url=None, docs_url=None, redoc_url=None)

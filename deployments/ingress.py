@@ -7,14 +7,15 @@ dialects/mindie_serving.py; the OpenAI-compatible /v1 API, OpenAI's Responses an
 Messages in dialects/openai_serving.py), which calls the engine client through its seam
 (dialects/engine_client.py) and never sees Ray.
 
-Its routes: the generation dialects here; the operations routes (/health, models, the schema,
-the page, traces, metrics) in deployments/operation_routes.py; the FastAPI app with its error
-handlers and middleware in deployments/http_app.py.
+Its routes: the generation dialects, and the operations routes (/health, models, the schema, the
+page, traces, metrics), whose answers are deployments/operation_routes.py's; the FastAPI app with
+its error handlers and middleware in deployments/http_app.py.
 """
 
 import asyncio
 
 from fastapi import Request
+from fastapi.responses import PlainTextResponse
 from ray import serve
 
 from deployments import routing
@@ -27,7 +28,7 @@ from deployments.health import Readiness
 from deployments.kv_connector import make_kv_connector
 from deployments.http_app import GENERATION, app
 from deployments.metrics import IngressMetrics
-from deployments.operation_routes import OperationRoutes
+from deployments import operation_routes as operations
 from deployments.tracing import RecentTraces, RequestTrace, SpanWriter, log_line
 from dialects import anthropic, mindie, responses
 from dialects.anthropic_schema import CountTokensRequest, MessagesRequest
@@ -58,7 +59,7 @@ def origin(http: Request, dialect: str, priority: int) -> Origin:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(app)
-class Ingress(OperationRoutes):
+class Ingress:
     def __init__(self, args: AppArgs, lora_store=None, llm=None, prefill=None, decode=None, embedder=None) -> None:
         """``lora_store``: the app's LoraStore (deployments/lora_store.py); None serves no adapters."""
         self.args = args
@@ -142,3 +143,48 @@ class Ingress(OperationRoutes):
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=documented(400, 404, 413, 503))
     async def detokenize(self, body: DetokenizeRequest):
         return tokenize_api.detokenize(await self.openai.frontend(), body)
+
+    # ---- operations: the answers are deployments/operation_routes.py's ------------------
+
+    @app.get("/health", responses={503: {"description": "not ready: which deployment, and why"}})
+    async def health(self):
+        """200 once a canary request went through every engine deployment (P, the KV hand-off
+        and D; or the colocated engine) within the last seconds; else 503 naming each deployment
+        that is missing, pending or failing (deployments/health.py)."""
+        return await operations.health(self.readiness)
+
+    @app.get("/v1/models", responses=documented(503))
+    async def models(self):
+        return await operations.models(self.openai)
+
+    @app.get("/v1/models/{model_id}", responses=documented(404, 503))
+    async def model(self, model_id: str):
+        return await operations.model(self.openai, model_id)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self):
+        """The schema with this deployment's limits (without them while the engines are not ready)."""
+        if self._openapi is None:
+            schema, keep = await operations.openapi_document(app, self.engines, self.embedder)
+            if not keep:
+                return schema
+            self._openapi = schema
+        return self._openapi
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, http: Request):
+        return operations.docs_page(app, http)
+
+    @app.get("/", include_in_schema=False)
+    async def web_page(self):
+        return operations.web_page()
+
+    @app.get("/traces/{request_id}", responses=documented(404))
+    async def trace(self, request_id: str):
+        """The recorded phases of a request that ended on this ingress replica (one of its last
+        1024): a response id (chatcmpl-…, its engine requests) or an engine request id."""
+        return operations.trace(self.traces, self.backend, request_id)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus(self):
+        return await operations.prometheus(self.metrics, self.backend)
