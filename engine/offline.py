@@ -46,7 +46,7 @@ def generate_choices(engine: LLMEngine, requests: list[GenerationRequest], loras
 def generate(engine: LLMEngine, requests: list[GenerationRequest], loras: list[LoraAdapter] = ()
              ) -> dict[str, RequestOutput]:
     """Run requests together to the end; each request's last output (its first choice's)."""
-    return {rid: outs[0] for rid, outs in generate_choices(engine, requests, loras).items()}
+    return _first_choices(generate_choices(engine, requests, loras))
 
 
 def prefill(engine: LLMEngine, requests: list[GenerationRequest], loras: list[LoraAdapter] = ()
@@ -54,7 +54,7 @@ def prefill(engine: LLMEngine, requests: list[GenerationRequest], loras: list[Lo
     """PREFILL mode to the end; each request's first choice's output (``prefill`` set when it goes on)."""
     for request in requests:
         engine.add_request(request, Mode.PREFILL, lora=_named(request, loras))
-    return {rid: outs[0] for rid, outs in final_choices(run_to_completion(engine)).items()}
+    return _first_choices(final_choices(run_to_completion(engine)))
 
 
 def decode(engine: LLMEngine, pairs: list[tuple[GenerationRequest, PrefillResult]], loras: list[LoraAdapter] = ()
@@ -62,7 +62,12 @@ def decode(engine: LLMEngine, pairs: list[tuple[GenerationRequest, PrefillResult
     """DECODE mode from P's results to the end; each request's first choice's output."""
     for request, prefill_result in pairs:
         engine.add_request(request, Mode.DECODE, prefill_result, lora=_named(request, loras))
-    return {rid: outs[0] for rid, outs in final_choices(run_to_completion(engine)).items()}
+    return _first_choices(final_choices(run_to_completion(engine)))
+
+
+def _first_choices(finals: dict[str, list[RequestOutput]]) -> dict[str, RequestOutput]:
+    """Each request's first choice's last output."""
+    return {rid: outs[0] for rid, outs in finals.items()}
 
 
 def _named(request: GenerationRequest, loras: list[LoraAdapter]) -> LoraAdapter | None:
