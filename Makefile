@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	# ... and in each instruction set this CPU runs, which tests/test_attention_backends.py compares
 	# with the reference (a minute each on 2 cores, here rather than in the suite).
 	$(PY) benchmarks/kernel_isa_paths.py --build-only
-	# The fused elementwise ops (engine/execution/fused_ops.py), likewise for this CPU.
+	# The fused elementwise ops and the batch-invariant GEMM (engine/execution/fused_ops.py), likewise.
 	$(PY) -m engine.execution.fused_ops
 	touch $(STAMP)
 
@@ -114,9 +114,8 @@ $(MUTMUT): | $(if $(wildcard $(STAMP)),,$(STAMP))
 	  "$$(build/venv-mutants/bin/python -c 'import site; print(site.getsitepackages()[0])')/pdserve-venv.pth"
 
 # A selected test that builds an engine builds the C++ kernels (cpu_paged, fused ops) for its copy, into a cache of
-# the copy's own: torch rebuilds an extension whose source path changed, so sharing ~/.cache with
-# the tree would rebuild it in turn for the copy and for every test run in the tree (minutes each
-# on 2 cores). One torch thread per test process: two mutants run at once on the 2 cores.
+# the copy's own, so that a mutation run never waits on a build lock of the tree's
+# (engine/execution/extensions.py). One torch thread per test process: two mutants run at once on the 2 cores.
 mutants: $(MUTMUT)
 	for part in $(MUTANT_PARTS); do \
 	  rm -rf $(MUTANTS)/$$part && mkdir -p $(MUTANTS)/$$part && \

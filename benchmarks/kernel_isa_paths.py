@@ -15,27 +15,23 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.execution.attention.cpu_paged import CFLAGS, SOURCE  # noqa: E402
+from engine.execution.extensions import build_extension  # noqa: E402
 from engine.execution.loader import cpu_flags  # noqa: E402
 
-SOURCE = Path(__file__).resolve().parents[1] / "engine" / "execution" / "attention" / "csrc" / "paged_attention.cpp"
-BASE_FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]  # as engine/execution/attention/cpu_paged.py builds it
 BUILDS = {"avx512": [], "avx2": ["-mno-avx512f"], "plain": ["-mno-avx512f", "-mno-avx2"]}
 NEEDS = {"avx512": "avx512f", "avx2": "avx2"}  # the CPU flag without which a build is another's code
 
 
 def build(name: str, flags: list[str]):
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load(name=f"pdserve_paged_attention_{name}", sources=[str(SOURCE)],
-                              extra_cflags=BASE_FLAGS + flags)
+    return build_extension(f"pdserve_paged_attention_{name}", [SOURCE], CFLAGS + flags)
 
 
 def case(dtype, head_dim: int, block_size: int, heads: tuple[int, int], seqs: int, context: int, decode_only: bool):

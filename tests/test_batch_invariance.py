@@ -1,6 +1,6 @@
-"""Batch-invariant mode (EngineConfig.batch_invariant) in bfloat16, forced whatever this CPU picks
-for auto: a seeded request's tokens and logprobs do not depend on the other requests of its
-steps, on P/D versus one engine, nor on how its prompt was chunked or found in the prefix cache."""
+"""Batch-invariant mode (EngineConfig.batch_invariant), the CPU's default, in bfloat16 whatever this
+CPU picks for auto: a seeded request's tokens and logprobs do not depend on the other requests of
+its steps, on P/D versus one engine, nor on how its prompt was chunked or found in the prefix cache."""
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ def wide_model(tmp_path_factory):
 
 
 def wide_engine(model_dir, **overrides) -> LLMEngine:
-    settings = dict(model=str(model_dir), dtype="bfloat16", batch_invariant=True, block_size=16)
+    settings = dict(model=str(model_dir), dtype="bfloat16", block_size=16)  # batch_invariant: the default
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 
@@ -52,6 +52,13 @@ def outcome(output) -> tuple:
 
 PROMPTS = token_prompts(8, 37, 301, seed=3)
 OTHERS = token_prompts(24, 5, 400, seed=4)
+
+
+def test_the_default_is_on_where_it_runs(wide_model, monkeypatch):
+    assert wide_engine(wide_model).runner.batch_invariant
+    assert not wide_engine(wide_model, attention_backend="torch_sdpa").runner.batch_invariant  # no fixed key order
+    monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", "0")  # the fastest mode, by the environment
+    assert not wide_engine(wide_model).runner.batch_invariant
 
 
 def test_alone_together_and_in_a_crowd_are_equal(wide_model):

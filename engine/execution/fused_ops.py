@@ -1,43 +1,41 @@
-"""The decoder's elementwise work: RMSNorm with the residual add, RoPE on q and k, SiLU * up.
+"""The decoder's elementwise work (RMSNorm with the residual add, RoPE on q and k, SiLU * up) and
+its batch-invariant matmul.
 
 Each op has two implementations, picked by the tensor's device:
 - on the CPU (float32, bfloat16, float16), a C++ kernel that makes one pass over the memory
-  (csrc/fused_ops.cpp), compiled for this machine's CPU (-march=native) by ``make install``
-  (``python -m engine.execution.fused_ops``) into torch's extension cache;
+  (csrc/fused_ops.cpp; the matmul in csrc/invariant_linear.cpp), compiled for this machine's CPU (-march=native) by ``make install``
+  (``python -m engine.execution.fused_ops``; engine/execution/extensions.py);
 - elsewhere (CUDA, NPU), or where the kernel cannot be built, the torch reference beside it:
   transformers' formulas operation for operation, out of place (what CUDA graphs capture today).
 tests/test_fused_ops.py compares the two. Which bits each promises (docs/architecture.md): RoPE
 and the residual add are the reference's bits in every dtype; SiLU differs from torch's by its
 exp (~2 ulp) and RMSNorm by the order of its sum of squares (a fixed order per row, so every
-kernel stays batch-invariant). Nothing here reads a tensor's values on the host.
+kernel stays batch-invariant). The matmul sums each output in one fixed order (close to
+torch.mm, not its bits). Nothing here reads a tensor's values on the host.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from functools import cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from engine.execution.extensions import build_extension
+
 log = logging.getLogger(__name__)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("fused_ops.cpp", "invariant_linear.cpp")]
 
 
 @cache
 def extension():
-    """The compiled kernels, built on first use (a minute on 2 cores) and cached by torch."""
-    from torch.utils import cpp_extension
-
-    # ninja comes with the project's install, beside this interpreter, not necessarily on PATH.
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load(name="pdserve_fused_ops", sources=[str(SOURCE)],
-                              extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math"])
+    """The compiled kernels, built on first use (a minute on 2 cores) and kept (engine/execution/extensions.py)."""
+    return build_extension("pdserve_fused_ops", SOURCES, ["-O3", "-march=native", "-ffp-contract=off",
+                                                          "-fno-trapping-math"])
 
 
 @cache
@@ -124,6 +122,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate, inplace=True).mul_(up)
 
 
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] @ weight [N, K]^T -> [M, N], each output summed in one fixed order whatever M is
+    (csrc/invariant_linear.cpp), or None where the kernel does not run (model.tiled_linear then)."""
+    if _on_kernel(x) and weight.dtype == x.dtype and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous():
+        return extension().invariant_linear(x, weight)
+    return None
+
+
 if __name__ == "__main__":  # make install: build the kernels once for this machine
     extension()
-    print(f"fused ops built for this CPU from {SOURCE.name}")
+    print(f"fused ops built for this CPU from {', '.join(source.name for source in SOURCES)}")

@@ -15,6 +15,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine.execution.attention import StepAttention
+from engine.execution import fused_ops
 from engine.execution.fused_ops import add_rms_norm, rms_norm_reference, rope, silu_mul
 
 
@@ -48,14 +49,21 @@ class ModelSpec:
 TINY_BATCH_ROWS = 8
 SMALL_BATCH_ROWS = 128
 WIDE_OUTPUT_BLOCK = 4096
+# Rows per matmul call of tiled_linear: the cheapest fixed tile measured for decode-sized and
+# prefill-sized steps (benchmarks/RESULTS.md, "Attention backends and batch invariance").
+INVARIANT_ROW_TILE = 32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           row_tile: int | None = None) -> torch.Tensor:
+           invariant: bool = False) -> torch.Tensor:
     """x [N, in] @ weight[out, in]^T (+ bias) -> [N, out], the faster way round for the shape;
-    with ``row_tile``, batch-invariant instead (``tiled_linear``)."""
-    if row_tile is not None:
-        return tiled_linear(x, weight, bias, row_tile)
+    ``invariant``: each row's result independent of N (batch-invariant mode), on the C++ kernel
+    (fused_ops.invariant_linear) or, where it does not run, ``tiled_linear``."""
+    if invariant:
+        out = fused_ops.invariant_linear(x, weight)
+        if out is None:
+            return tiled_linear(x, weight, bias)
+        return out + bias if bias is not None else out
     if x.device.type != "cpu" or not TINY_BATCH_ROWS <= x.shape[0] <= SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
     out = x.new_empty(weight.shape[0], x.shape[0])  # [out, N]: each block's product lands in place
@@ -68,11 +76,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out + bias if bias is not None else out
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int) -> torch.Tensor:
-    """x @ weight^T (+ bias) as calls of exactly ``row_tile`` rows each, the last padded with zeros.
-    A GEMM library picks its blocking, and so the order of its sums over ``in``, from the call's
-    shape; with one shape for every call a row's result no longer depends on how many rows share
-    its step (measured in tests/test_batch_invariance.py; benchmarks/RESULTS.md gives the cost)."""
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 row_tile: int = INVARIANT_ROW_TILE) -> torch.Tensor:
+    """x @ weight^T (+ bias) as calls of exactly ``row_tile`` rows each, the last padded with zeros:
+    batch-invariant torch, the reference of fused_ops.invariant_linear (and its stand-in where the
+    kernel does not run). A GEMM library picks its blocking, and so the order of its sums over
+    ``in``, from the call's shape; with one shape for every call a row's result no longer depends on
+    how many rows share its step (tests/test_batch_invariance.py)."""
     n = x.shape[0]
     padded = -(-n // row_tile) * row_tile
     if padded != n:
@@ -104,7 +114,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, window: int | None) -> None:
         super().__init__()
         self.spec, self.window = spec, window
-        self.row_tile: int | None = None  # set by DecoderModel.set_row_tile
+        self.invariant = False  # batch-invariant matmuls, set by DecoderModel.set_batch_invariant
         self.fused = None  # engine/execution/triton_ops on CUDA (DecoderModel.use_fused_ops), else the reference
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -132,7 +142,7 @@ class DecoderLayer(nn.Module):
             h = fused.rms_norm(x, self.input_norm.weight, self.input_norm.eps)[0]
         else:
             x, h = self.input_norm.add_and_norm(x, pending)
-        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias, self.row_tile)
+        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias, self.invariant)
         if lora is not None:
             lora.add(("q", "k", "v"), h, qkv, self.split)
         q, k, v = qkv.split(self.split, dim=-1)
@@ -146,18 +156,18 @@ class DecoderLayer(nn.Module):
         else:
             q, k = rope(q, k, cos, sin)
         o = attn.attend(q, k, v, k_cache, v_cache, self.window).reshape(n, -1)  # [N, Hq * D]
-        attended = linear(o, self.o_proj.weight, self.o_proj.bias, self.row_tile)
+        attended = linear(o, self.o_proj.weight, self.o_proj.bias, self.invariant)
         if lora is not None:
             lora.add(("o",), o, attended, (spec.hidden_size,))
         if fused:  # the residual add and the norm in one pass
             h, x = fused.rms_norm(attended, self.post_norm.weight, self.post_norm.eps, add=x)
         else:
             x, h = self.post_norm.add_and_norm(x, attended)
-        gate_up = linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, self.row_tile)
+        gate_up = linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, self.invariant)
         if lora is not None:
             lora.add(("gate", "up"), h, gate_up, (spec.intermediate_size,) * 2)
         m = fused.silu_mul(gate_up) if fused else silu_mul(gate_up)  # in gate_up's first half: no new [N, I] tensors
-        down = linear(m, self.down_proj.weight, self.down_proj.bias, self.row_tile)
+        down = linear(m, self.down_proj.weight, self.down_proj.bias, self.invariant)
         if lora is not None:
             lora.add(("down",), m, down, (spec.hidden_size,))
         return (x + down, None) if fused else (x, down)
@@ -172,13 +182,13 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.row_tile: int | None = None
+        self.invariant = False
 
-    def set_row_tile(self, row_tile: int | None) -> None:
-        """Batch-invariant matmuls (``tiled_linear``) in every layer and the LM head, or None for the fastest."""
-        self.row_tile = row_tile
+    def set_batch_invariant(self, invariant: bool) -> None:
+        """Batch-invariant matmuls (``linear``'s ``invariant``) in every layer and the LM head, or the fastest."""
+        self.invariant = invariant
         for layer in self.layers:
-            layer.row_tile = row_tile
+            layer.invariant = invariant
 
     def use_fused_ops(self) -> None:
         """Every layer's RMSNorm (with the residual add after attention), RoPE and SiLU*mul as one
@@ -223,4 +233,4 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> logits [R, V], contiguous (the sampler reads rows)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, row_tile=self.row_tile).contiguous()
+        return linear(hidden, weight, invariant=self.invariant).contiguous()

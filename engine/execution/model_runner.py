@@ -29,9 +29,6 @@ if TYPE_CHECKING:  # imported where used: it needs Triton, which a CPU install n
     from engine.execution.cuda_graphs import DecodeGraphs
 
 SCORE_ROWS = 256  # prompt rows scored per LM-head call: bounds the [rows, V] float32 logits
-# Rows per matmul call in batch-invariant mode (engine/execution/model.py tiled_linear): the
-# cheapest fixed tile measured for decode-sized and prefill-sized steps (benchmarks/RESULTS.md).
-BATCH_INVARIANT_ROWS = 32
 
 
 @dataclass
@@ -106,12 +103,12 @@ class ModelRunner:
         self.windows = set(spec.layer_windows)
         self.batch_invariant = config.batch_invariant
         if self.batch_invariant is None:  # the environment's default, where this engine can have it
-            self.batch_invariant = (os.environ.get("PDSERVE_BATCH_INVARIANT") == "1"
+            self.batch_invariant = (os.environ.get("PDSERVE_BATCH_INVARIANT", "1") != "0"
                                     and config.attention_backend != "torch_sdpa"
                                     and batch_invariant_supported(self.device, loaded.dtype))
         self.attention = select_backend(config.attention_backend, self.device, loaded.dtype, self.batch_invariant,
                                         group=spec.num_heads // spec.num_kv_heads)
-        loaded.model.set_row_tile(BATCH_INVARIANT_ROWS if self.batch_invariant else None)
+        loaded.model.set_batch_invariant(self.batch_invariant)
         if self.attention.name == "triton_paged" and self.device.type == "cuda" and _norms_in(loaded, loaded.dtype):
             loaded.model.use_fused_ops()  # Triton is there: RMSNorm, RoPE and SiLU*mul fused too
         # Step inputs, allocated once: [max tokens per step] each, filled from one host array

@@ -11,15 +11,13 @@ go to torch's flash SDPA (the reference's chunk path), which runs a long query b
 times faster than this kernel's per-row loops (benchmarks/RESULTS.md, "Attention backends").
 
 The extension is compiled for this machine's CPU (-march=native) by ``make install``
-(``python -m engine.execution.attention.cpu_paged``) into torch's extension cache
-(``$TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions); later loads only import it.
+(``python -m engine.execution.attention.cpu_paged``), one build per source text and flags
+(engine/execution/extensions.py); later loads only import it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -29,28 +27,25 @@ import torch
 
 from engine.execution.attention import AttentionSeq, fill_block_tables
 from engine.execution.attention.torch_sdpa import BACKEND as SDPA, SdpaStep
+from engine.execution.extensions import build_extension
 
 log = logging.getLogger(__name__)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
 MAX_BLOCK_SIZE = 64  # the kernel's kMaxBlock
 
 
 @cache
 def extension():
-    """The compiled kernel, built on first use (a minute on 2 cores) and cached by torch."""
-    from torch.utils import cpp_extension
-
-    # ninja comes with the project's install, beside this interpreter, not necessarily on PATH.
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load(name="pdserve_paged_attention", sources=[str(SOURCE)],
-                              extra_cflags=["-O3", "-march=native", "-ffp-contract=off"])
+    """The compiled kernel, built on first use (a minute on 2 cores) and kept (engine/execution/extensions.py)."""
+    return build_extension("pdserve_paged_attention", [SOURCE], CFLAGS)
 
 
 @cache
 def available() -> bool:
-    """Whether the kernel builds and loads here; if not, PDSERVE_BATCH_INVARIANT leaves engines in the default mode."""
+    """Whether the kernel builds and loads here; if not, engines asked for no mode run the fastest (no invariance)."""
     try:
         extension()
     except Exception as error:  # a missing compiler, an unsupported platform

@@ -183,8 +183,11 @@ void silu_mul_(torch::Tensor gate_up) {
 
 }  // namespace
 
+torch::Tensor invariant_linear(const torch::Tensor& x, const torch::Tensor& weight);  // invariant_linear.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta; out = weight * rms_norm(x) (see the file's header)");
   m.def("rope_", &rope_, "RoPE on q and k in place");
   m.def("silu_mul_", &silu_mul_, "gate_up[:, :I] = silu(gate) * up in place");
+  m.def("invariant_linear", &invariant_linear, "x @ weight^T in one fixed order per output (invariant_linear.cpp)");
 }

@@ -21,6 +21,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <cmath>
@@ -58,6 +59,28 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_nonpositive on 8 lanes: the same operations in the same order, so the same bits per lane
+// (GCC leaves the scalar loop unvectorized).
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // x > -87 ? x : -87 (no NaN reaches it)
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256i n_int = _mm256_cvttps_epi32(_mm256_sub_ps(t, _mm256_set1_ps(0.5f)));
+  const __m256 n = _mm256_cvtepi32_ps(n_int);
+  const __m256 f = _mm256_sub_ps(_mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f), x),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187e-06f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(n_int, _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
 
 inline float max_of(float a, float b) { return a > b ? a : b; }  // no NaN reaches it
 
@@ -188,6 +211,89 @@ inline void prefetch_block(const scalar_t* k_cache, const scalar_t* v_cache, int
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The scores of kRowTile (4) query rows [4, D] against a block of 16 keys transposed [D, 16], into
+// scores [4, 16]: the generic loop's chains (one FMA per d, in order) in eight named registers. Left
+// to itself GCC kept one of the eight on the stack, and the store and reload sat in its chain.
+inline void score_tile16(const float* __restrict__ query, int64_t head_dim, const float* __restrict__ keys_t,
+                         float* __restrict__ scores) {
+  static_assert(kRowTile == 4, "score_tile16 scores four rows");
+  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const __m256 lo = _mm256_loadu_ps(keys_t + d * 16), hi = _mm256_loadu_ps(keys_t + d * 16 + 8);
+    __m256 q = _mm256_broadcast_ss(query + d);
+    a0 = _mm256_fmadd_ps(q, lo, a0), b0 = _mm256_fmadd_ps(q, hi, b0);
+    q = _mm256_broadcast_ss(query + head_dim + d);
+    a1 = _mm256_fmadd_ps(q, lo, a1), b1 = _mm256_fmadd_ps(q, hi, b1);
+    q = _mm256_broadcast_ss(query + 2 * head_dim + d);
+    a2 = _mm256_fmadd_ps(q, lo, a2), b2 = _mm256_fmadd_ps(q, hi, b2);
+    q = _mm256_broadcast_ss(query + 3 * head_dim + d);
+    a3 = _mm256_fmadd_ps(q, lo, a3), b3 = _mm256_fmadd_ps(q, hi, b3);
+  }
+  _mm256_storeu_ps(scores, a0), _mm256_storeu_ps(scores + 8, b0);
+  _mm256_storeu_ps(scores + 16, a1), _mm256_storeu_ps(scores + 24, b1);
+  _mm256_storeu_ps(scores + 32, a2), _mm256_storeu_ps(scores + 40, b2);
+  _mm256_storeu_ps(scores + 48, a3), _mm256_storeu_ps(scores + 56, b3);
+}
+#endif
+
+// acc[r] += probs[r] @ V for the kRowTile rows from ``first_row``, which all see the block's every key:
+// kRowTile rows x 16 dims of accumulators held in registers while the keys go by, so each value row
+// is loaded once per tile, not once per row. Per accumulator, the chain over keys j = 0..B-1 is the
+// row-by-row loop's.
+template <int kBlock>
+void accumulate_tile(const float* __restrict__ probs, int64_t block_size_arg, const float* __restrict__ values,
+                     int64_t values_stride, float* __restrict__ acc, int64_t head_dim, int64_t first_row) {
+  constexpr int kDims = 16;
+  const int64_t block_size = kBlock ? kBlock : block_size_arg;
+  probs += first_row * block_size;
+  acc += first_row * head_dim;
+  int64_t d0 = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  for (; d0 + kDims <= head_dim; d0 += kDims) {  // the loop below in eight named registers (see score_tile16)
+    float* a = acc + d0;
+    __m256 a0 = _mm256_loadu_ps(a), b0 = _mm256_loadu_ps(a + 8);
+    __m256 a1 = _mm256_loadu_ps(a + head_dim), b1 = _mm256_loadu_ps(a + head_dim + 8);
+    __m256 a2 = _mm256_loadu_ps(a + 2 * head_dim), b2 = _mm256_loadu_ps(a + 2 * head_dim + 8);
+    __m256 a3 = _mm256_loadu_ps(a + 3 * head_dim), b3 = _mm256_loadu_ps(a + 3 * head_dim + 8);
+    for (int64_t j = 0; j < block_size; ++j) {
+      const float* vj = values + j * values_stride + d0;
+      const __m256 lo = _mm256_loadu_ps(vj), hi = _mm256_loadu_ps(vj + 8);
+      __m256 p = _mm256_broadcast_ss(probs + j);
+      a0 = _mm256_fmadd_ps(p, lo, a0), b0 = _mm256_fmadd_ps(p, hi, b0);
+      p = _mm256_broadcast_ss(probs + block_size + j);
+      a1 = _mm256_fmadd_ps(p, lo, a1), b1 = _mm256_fmadd_ps(p, hi, b1);
+      p = _mm256_broadcast_ss(probs + 2 * block_size + j);
+      a2 = _mm256_fmadd_ps(p, lo, a2), b2 = _mm256_fmadd_ps(p, hi, b2);
+      p = _mm256_broadcast_ss(probs + 3 * block_size + j);
+      a3 = _mm256_fmadd_ps(p, lo, a3), b3 = _mm256_fmadd_ps(p, hi, b3);
+    }
+    _mm256_storeu_ps(a, a0), _mm256_storeu_ps(a + 8, b0);
+    _mm256_storeu_ps(a + head_dim, a1), _mm256_storeu_ps(a + head_dim + 8, b1);
+    _mm256_storeu_ps(a + 2 * head_dim, a2), _mm256_storeu_ps(a + 2 * head_dim + 8, b2);
+    _mm256_storeu_ps(a + 3 * head_dim, a3), _mm256_storeu_ps(a + 3 * head_dim + 8, b3);
+  }
+#endif
+  for (; d0 + kDims <= head_dim; d0 += kDims) {
+    float tile[kRowTile][kDims];
+    for (int rr = 0; rr < kRowTile; ++rr)
+      for (int e = 0; e < kDims; ++e) tile[rr][e] = acc[rr * head_dim + d0 + e];
+    for (int64_t j = 0; j < block_size; ++j) {
+      const float* vj = values + j * values_stride + d0;
+      for (int rr = 0; rr < kRowTile; ++rr) {
+        const float p = probs[rr * block_size + j];
+        for (int e = 0; e < kDims; ++e) tile[rr][e] = std::fma(p, vj[e], tile[rr][e]);
+      }
+    }
+    for (int rr = 0; rr < kRowTile; ++rr)
+      for (int e = 0; e < kDims; ++e) acc[rr * head_dim + d0 + e] = tile[rr][e];
+  }
+  for (int rr = 0; rr < kRowTile; ++rr)  // a head dim that is not a multiple of 16: its last dims
+    for (int64_t j = 0; j < block_size; ++j)
+      for (int64_t d = d0; d < head_dim; ++d)
+        acc[rr * head_dim + d] = std::fma(probs[rr * block_size + j], values[j * values_stride + d], acc[rr * head_dim + d]);
+}
+
 struct Task {
   int64_t group;
   int64_t first;       // first query of the group in this task
@@ -234,7 +340,7 @@ void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_
     }
 
   const int64_t lowest_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-  float probs[kMaxBlock];
+  std::vector<std::array<int64_t, 2>> visible(rows);  // [lo, hi): the keys of this block each row sees
   for (int64_t block = lowest_key / block_size; block <= last_pos / block_size; ++block) {
     const int64_t block_start = block * block_size;
     if (block < last_pos / block_size) prefetch_block(k_cache, v_cache, table[block + 1], block_size, slot_stride,
@@ -264,6 +370,12 @@ void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_
       // that keep the FMA units busy); a score is a chain of FMAs over d = 0..D-1. Keys a row may not
       // see are scored too and then ignored.
       for (int64_t r0 = 0; r0 < tiled_rows; r0 += kRowTile) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+        if constexpr (kBlock == 16) {
+          score_tile16(head_query + r0 * head_dim, head_dim, keys_t.data(), &scores[r0 * block_size]);
+          continue;
+        }
+#endif
         float tile[kRowTile][kBlock ? kBlock : kMaxBlock] = {};
         for (int64_t d = 0; d < head_dim; ++d) {
           const float* kd = &keys_t[d * block_size];
@@ -275,11 +387,16 @@ void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_
         for (int rr = 0; rr < kRowTile; ++rr)
           for (int64_t j = 0; j < block_size; ++j) scores[(r0 + rr) * block_size + j] = tile[rr][j];
       }
+      // Softmax of each row's visible scores, in place in ``scores`` (its probabilities), and the
+      // row's accumulator rescaled; then acc += probs @ V: kRowTile rows at a time where they all see
+      // the whole block (a long prefill's rows, but on the diagonal and at a window's edge), row by row
+      // otherwise. Both run each accumulator's chain over the visible keys in order, so the same bits.
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t pos = first_pos + r / group_size;
         const int64_t first_key = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         const int64_t lo = std::max<int64_t>(first_key - block_start, 0);
         const int64_t hi = std::min<int64_t>(pos - block_start + 1, block_size);  // visible keys: [lo, hi)
+        visible[r] = {lo, hi};
         if (lo >= hi) continue;  // the row sees nothing in this block
         float* sr = &scores[r * block_size];
         float block_max = -std::numeric_limits<float>::infinity();
@@ -290,16 +407,33 @@ void attend_task(const Task& task, const scalar_t* __restrict__ q, const scalar_
         const float new_max = max_of(head_max[r], block_max);
         const float rescale = exp_nonpositive(head_max[r] - new_max);  // 0 on the row's first block
         head_max[r] = new_max;
-        for (int64_t j = lo; j < hi; ++j) probs[j] = exp_nonpositive(sr[j] - new_max);
+        int64_t j = lo;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; j + 8 <= hi; j += 8)
+          _mm256_storeu_ps(sr + j, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), _mm256_set1_ps(new_max))));
+#endif
+        for (; j < hi; ++j) sr[j] = exp_nonpositive(sr[j] - new_max);
         float block_sum = 0.0f;
-        for (int64_t j = lo; j < hi; ++j) block_sum += probs[j];
+        for (int64_t j = lo; j < hi; ++j) block_sum += sr[j];
         head_sum[r] = std::fma(head_sum[r], rescale, block_sum);
         float* ar = &head_acc[r * head_dim];
         for (int64_t d = 0; d < head_dim; ++d) ar[d] *= rescale;
-        for (int64_t j = lo; j < hi; ++j) {
-          const float p = probs[j];
-          const float* vj = block_values + j * values_stride;
-          for (int64_t d = 0; d < head_dim; ++d) ar[d] = std::fma(p, vj[d], ar[d]);
+      }
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+        bool whole = r0 + kRowTile <= rows;
+        for (int64_t r = r0; whole && r < r0 + kRowTile; ++r) whole = visible[r][0] == 0 && visible[r][1] == block_size;
+        if (whole) {
+          accumulate_tile<kBlock>(scores.data(), block_size, block_values, values_stride, head_acc, head_dim, r0);
+          continue;
+        }
+        for (int64_t r = r0; r < std::min(rows, r0 + kRowTile); ++r) {
+          const float* pr = &scores[r * block_size];
+          float* __restrict__ ar = &head_acc[r * head_dim];
+          for (int64_t j = visible[r][0]; j < visible[r][1]; ++j) {
+            const float p = pr[j];
+            const float* vj = block_values + j * values_stride;
+            for (int64_t d = 0; d < head_dim; ++d) ar[d] = std::fma(p, vj[d], ar[d]);
+          }
         }
       }
     }
