@@ -46,8 +46,8 @@ class AppArgs(BaseModel):
                                    "kernel that reads the KV pool in place); engine/execution/attention/")
     batch_invariant: bool | None = Field(
         None, description="each request's tokens and logprobs independent of the other requests of its steps and "
-        "of its prompt's chunking (docs/sampling.md); costs some throughput. Default: on where it can be "
-        "(the CPU), unless the replicas' environment says PDSERVE_BATCH_INVARIANT=0")
+        "of its prompt's chunking (docs/sampling.md); costs some throughput. Default: on on the CPU, but "
+        "in bf16/fp16 on a CPU with AMX or AVX512-BF16; PDSERVE_BATCH_INVARIANT=1 or 0 in the replicas' environment decides")
     max_ongoing_requests: int = Field(256, gt=0, description="admission's request budget per P/D replica; the engines' Serve "
                                       "max_ongoing_requests is sized from it (deployments/admission.py)")
     finish_reasons: Literal["openai", "mindie"] = Field(

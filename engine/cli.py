@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--attention-backend", default="auto", help="auto, torch_sdpa or cpu_paged")
     gen.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                      help="output independent of batching and chunking (docs/sampling.md); "
-                          "default: on where it runs (the CPU), unless PDSERVE_BATCH_INVARIANT=0")
+                          "default: on on the CPU, but in bf16/fp16 on AMX or AVX512-BF16 CPUs (docs/sampling.md)")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)

@@ -31,8 +31,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Each row's tokens and logprobs independent of the other rows of its step and of how its
     # prompt was chunked, in float32, bfloat16 and float16 on the CPU (docs/sampling.md); costs
-    # some throughput (benchmarks/RESULTS.md). None: on wherever the engine can have it (the CPU's
-    # cpu_paged attention), unless the environment says PDSERVE_BATCH_INVARIANT=0.
+    # some throughput (benchmarks/RESULTS.md). None: the environment's PDSERVE_BATCH_INVARIANT=1
+    # (on wherever the engine can have it) or =0 (off), else the device's default: on on the CPU,
+    # but in bf16/fp16 on a CPU that multiplies them natively (attention.batch_invariant_by_default).
     batch_invariant: bool | None = None
     # CUDA with triton_paged: decode steps of up to this many rows replay CUDA graphs captured at
     # start-up (engine/execution/cuda_graphs.py; larger steps run eagerly); enforce_eager captures

@@ -10,11 +10,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Every engine the suite starts, in this process or in Ray's workers (they inherit the
-# environment), runs the default mode, batch-invariant where it can be: the suite's exact
-# comparisons then hold in whatever dtype this CPU's "auto" picks (docs/sampling.md). A developer's
-# PDSERVE_BATCH_INVARIANT=0 would turn that off. Tests of the fastest mode pass batch_invariant=False.
-os.environ.pop("PDSERVE_BATCH_INVARIANT", None)
+# Every engine the suite starts, in this process or in Ray's workers (they inherit it), is
+# batch-invariant wherever it can be: the suite's exact comparisons then hold in whatever dtype
+# this CPU's "auto" picks (docs/sampling.md). Without it, the default would leave bf16 engines in
+# the fastest mode on a CPU with AMX or AVX512-BF16. Tests of the fastest mode pass batch_invariant=False.
+os.environ["PDSERVE_BATCH_INVARIANT"] = "1"
 # The Batch API's store (deployments/batch_store.py) of the apps the suite starts: this session's own
 # (removed at its end), unless the environment names one.
 OWN_BATCH_DIR = "PDSERVE_BATCH_DIR" not in os.environ

@@ -1,5 +1,5 @@
-"""Batch-invariant mode (EngineConfig.batch_invariant), the CPU's default, in bfloat16 whatever this
-CPU picks for auto: a seeded request's tokens and logprobs do not depend on the other requests of
+"""Batch-invariant mode (EngineConfig.batch_invariant; the CPU's default, forced on by the suite) in
+bfloat16 whatever this CPU picks for auto: a seeded request's tokens and logprobs do not depend on the other requests of
 its steps, on P/D versus one engine, nor on how its prompt was chunked or found in the prefix cache."""
 
 import pytest
@@ -7,6 +7,8 @@ import torch
 from transformers import LlamaConfig
 
 from engine.config import EngineConfig
+from engine.execution import loader
+from engine.execution.attention import batch_invariant_by_default
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
 from sampling import SamplingParams
@@ -28,7 +30,7 @@ def wide_model(tmp_path_factory):
 
 
 def wide_engine(model_dir, **overrides) -> LLMEngine:
-    settings = dict(model=str(model_dir), dtype="bfloat16", block_size=16)  # batch_invariant: the default
+    settings = dict(model=str(model_dir), dtype="bfloat16", block_size=16)  # batch_invariant: the suite's (conftest)
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 
@@ -54,10 +56,21 @@ PROMPTS = token_prompts(8, 37, 301, seed=3)
 OTHERS = token_prompts(24, 5, 400, seed=4)
 
 
-def test_the_default_is_on_where_it_runs(wide_model, monkeypatch):
+@pytest.mark.parametrize("flags, bf16_default", [({"avx2", "fma"}, True), ({"avx512f", "avx512_bf16"}, False),
+                                                 ({"amx_bf16"}, False)])
+def test_the_default_by_cpu_and_dtype(wide_model, monkeypatch, flags, bf16_default):
+    """On the CPU: on in float32; in bf16 only where bf16 is not multiplied natively (there the
+    mode's float32 GEMM costs 31-62%). The environment's 1 or 0 overrides; torch_sdpa is never invariant."""
+    monkeypatch.setattr(loader, "cpu_flags", lambda: flags)
+    cpu = torch.device("cpu")
+    assert batch_invariant_by_default(cpu, torch.float32)
+    assert batch_invariant_by_default(cpu, torch.bfloat16) == bf16_default
+    monkeypatch.delenv("PDSERVE_BATCH_INVARIANT", raising=False)
+    assert wide_engine(wide_model).runner.batch_invariant == bf16_default  # wide_engine: bf16, no mode asked
+    monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", "1")
     assert wide_engine(wide_model).runner.batch_invariant
     assert not wide_engine(wide_model, attention_backend="torch_sdpa").runner.batch_invariant  # no fixed key order
-    monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", "0")  # the fastest mode, by the environment
+    monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", "0")
     assert not wide_engine(wide_model).runner.batch_invariant
 
 

@@ -3,8 +3,8 @@ its batch-invariant matmul.
 
 Each op has two implementations, picked by the tensor's device:
 - on the CPU (float32, bfloat16, float16), a C++ kernel that makes one pass over the memory
-  (csrc/fused_ops.cpp; the matmul in csrc/invariant_linear.cpp), compiled for this machine's CPU (-march=native) by ``make install``
-  (``python -m engine.execution.fused_ops``; engine/execution/extensions.py);
+  (csrc/fused_ops.cpp; the matmul in csrc/invariant_linear.cpp), compiled for this machine's CPU
+  (-march=native) by ``make install`` (``python -m engine.execution.fused_ops``; engine/execution/extensions.py);
 - elsewhere (CUDA, NPU), or where the kernel cannot be built, the torch reference beside it:
   transformers' formulas operation for operation, out of place (what CUDA graphs capture today).
 tests/test_fused_ops.py compares the two. Which bits each promises (docs/architecture.md): RoPE

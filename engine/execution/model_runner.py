@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.execution.attention import AttentionSeq, batch_invariant_supported, select_backend
+from engine.execution.attention import (AttentionSeq, batch_invariant_by_default, batch_invariant_supported,
+                                        select_backend)
 from engine.config import EngineConfig
 from engine.kv_transfer import KVMeta, numpy_to_tensor, tensor_to_numpy
 from engine.execution.loader import LoadedModel
@@ -102,10 +103,14 @@ class ModelRunner:
         self.sampler = Sampler(self.device, spec.vocab_size, config.top_k_guess, config.sampler_backend)
         self.windows = set(spec.layer_windows)
         self.batch_invariant = config.batch_invariant
-        if self.batch_invariant is None:  # the environment's default, where this engine can have it
-            self.batch_invariant = (os.environ.get("PDSERVE_BATCH_INVARIANT", "1") != "0"
-                                    and config.attention_backend != "torch_sdpa"
-                                    and batch_invariant_supported(self.device, loaded.dtype))
+        if self.batch_invariant is None:  # the environment's choice, else this device's default
+            choice = os.environ.get("PDSERVE_BATCH_INVARIANT")
+            if config.attention_backend == "torch_sdpa" or choice == "0":
+                self.batch_invariant = False
+            elif choice == "1":  # wherever this engine can have it
+                self.batch_invariant = batch_invariant_supported(self.device, loaded.dtype)
+            else:
+                self.batch_invariant = batch_invariant_by_default(self.device, loaded.dtype)
         self.attention = select_backend(config.attention_backend, self.device, loaded.dtype, self.batch_invariant,
                                         group=spec.num_heads // spec.num_kv_heads)
         loaded.model.set_batch_invariant(self.batch_invariant)

@@ -87,6 +87,17 @@ def batch_invariant_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in cpu_paged.DTYPES and cpu_paged.available()
 
 
+def batch_invariant_by_default(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an engine asked for no mode is batch-invariant (docs/sampling.md): wherever it can be,
+    but in a 16-bit dtype on a CPU that multiplies it natively (AMX, AVX512-BF16), where the mode's
+    float32 GEMM cost 31-62% of throughput against oneDNN's bf16 kernels (benchmarks/RESULTS.md, issue 40)."""
+    from engine.execution.loader import native_bf16
+
+    if dtype != torch.float32 and native_bf16(device):
+        return False
+    return batch_invariant_supported(device, dtype)
+
+
 def select_backend(name: str, device: torch.device, dtype: torch.dtype,
                    batch_invariant: bool = False, group: int = 1) -> AttentionBackend:
     """The backend called ``name``; for "auto", triton_paged on CUDA, cpu_paged on a CPU where it

@@ -125,12 +125,15 @@ void columns(const T* x, int64_t ldx, const T* w, T* out, int64_t M, int64_t N, 
       const int64_t n1 = std::min(col_end, n0 + col_block);
       for (int64_t r = m0; r < m1; r += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m1 - r));
+        const T* x_rows = x + r * ldx;
+        T* out_rows = out + r * N;
         int64_t c = n0;
         if (rows == kTileRows)  // whole micro-tiles called directly (inlined), the edges through tile_for
-          for (; c + kTileCols <= n1; c += kTileCols) tile<T, kTileRows, kTileCols>(x + r * ldx, ldx, w + c * K, K, out + r * N + c, N, K);
+          for (; c + kTileCols <= n1; c += kTileCols)
+            tile<T, kTileRows, kTileCols>(x_rows, ldx, w + c * K, K, out_rows + c, N, K);
         for (; c < n1; c += kTileCols) {
           const int cols = static_cast<int>(std::min<int64_t>(kTileCols, n1 - c));
-          tile_for<T>(rows, cols)(x + r * ldx, ldx, w + c * K, K, out + r * N + c, N, K);
+          tile_for<T>(rows, cols)(x_rows, ldx, w + c * K, K, out_rows + c, N, K);
         }
       }
     }
