@@ -70,5 +70,6 @@ def main() -> None:
         if unavailable:
             print(f"  packed unavailable: {unavailable}")
 
+
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
-"""Batch-invariant mode (EngineConfig.batch_invariant; the CPU's default, forced on by the suite) in
-bfloat16 whatever this CPU picks for auto: a seeded request's tokens and logprobs do not depend on the other requests of
-its steps, on P/D versus one engine, nor on how its prompt was chunked or found in the prefix cache."""
+"""Batch-invariant mode (EngineConfig.batch_invariant; on the CPU the default, test_the_default_by_cpu_and_dtype)
+in bfloat16, forced whatever this CPU picks for auto: a seeded request's tokens and logprobs do not
+depend on the other requests of its steps, on P/D versus one engine, nor on how its prompt was
+chunked or found in the prefix cache."""
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def wide_model(tmp_path_factory):
 
 
 def wide_engine(model_dir, **overrides) -> LLMEngine:
-    settings = dict(model=str(model_dir), dtype="bfloat16", block_size=16)  # batch_invariant: the suite's (conftest)
+    settings = dict(model=str(model_dir), dtype="bfloat16", batch_invariant=True, block_size=16)
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 
@@ -66,12 +67,14 @@ def test_the_default_by_cpu_and_dtype(wide_model, monkeypatch, flags, bf16_defau
     assert batch_invariant_by_default(cpu, torch.float32)
     assert batch_invariant_by_default(cpu, torch.bfloat16) == bf16_default
     monkeypatch.delenv("PDSERVE_BATCH_INVARIANT", raising=False)
-    assert wide_engine(wide_model).runner.batch_invariant == bf16_default  # wide_engine: bf16, no mode asked
+    no_mode = dict(batch_invariant=None)  # wide_engine: bf16
+    assert wide_engine(wide_model, **no_mode).runner.batch_invariant == bf16_default
     monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", "1")
-    assert wide_engine(wide_model).runner.batch_invariant
-    assert not wide_engine(wide_model, attention_backend="torch_sdpa").runner.batch_invariant  # no fixed key order
+    assert wide_engine(wide_model, **no_mode).runner.batch_invariant
+    no_key_order = wide_engine(wide_model, attention_backend="torch_sdpa", **no_mode)
+    assert not no_key_order.runner.batch_invariant
     monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", "0")
-    assert not wide_engine(wide_model).runner.batch_invariant
+    assert not wide_engine(wide_model, **no_mode).runner.batch_invariant
 
 
 def test_alone_together_and_in_a_crowd_are_equal(wide_model):
