@@ -58,15 +58,19 @@ def serve_session(num_cpus: int | None = None, address: str | None = None):
         _stop_ray_and_serve()
 
 
-def deploy(apps: dict, route_prefixes: dict[str, str] | None = None) -> None:
+def deploy(apps: dict, route_prefixes: dict[str, str] | None = None, together: bool = True) -> None:
     """Deploy every application of ``apps`` (name -> Application, at "/<name>" unless
-    ``route_prefixes`` names another) in one call, and wait until all run: their replicas start
-    together, so no app waits for the one before it to finish starting."""
+    ``route_prefixes`` names another), and wait until all run. ``together``: in one call, their
+    replicas starting together, so no app waits for the one before it to finish starting; else one
+    app after the other, for apps whose replicas load a real model (several loading at once take the
+    2-core box's 24 GB past Ray's memory threshold, and its monitor kills workers)."""
     from ray import serve
 
     prefixes = route_prefixes or {}
-    serve.run_many([serve.RunTarget(target=app, name=name, route_prefix=prefixes.get(name, f"/{name}"))
-                    for name, app in apps.items()])
+    targets = [serve.RunTarget(target=app, name=name, route_prefix=prefixes.get(name, f"/{name}"))
+               for name, app in apps.items()]
+    for batch in [targets] if together else [[target] for target in targets]:
+        serve.run_many(batch)
 
 
 def kept_app(name: str, build, route_prefix: str | None = None) -> str:

@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from ray import serve
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 import yaml
@@ -21,7 +20,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import serve_session
+from tests.serving import deploy, serve_session
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +47,7 @@ def base_url(gguf_file):
         # float32: the dtype in which tokens equal transformers'; every prompt goes through P on the PD app
         args = {**DEFAULT_ARGS, "model": str(gguf_file), "dtype": "float32", "embeddings": False,
                 "pd_local_prefill_tokens": 0}
-        # One app after the other: three replicas loading (and dequantizing) the real model at once
-        # take the 2-core box's 24 GB past Ray's memory threshold (its monitor then kills workers).
-        serve.run(pd_app(args), name="pd", route_prefix="/pd")
-        serve.run(colocated_app(args), name="co", route_prefix="/co")
+        deploy({"pd": pd_app(args), "co": colocated_app(args)}, together=False)  # the real model: memory
         yield url
 
 

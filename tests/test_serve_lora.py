@@ -8,7 +8,6 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from ray import serve
 
 from deployments.app import colocated_app, pd_app
 from engine.config import EngineConfig
@@ -17,7 +16,7 @@ from engine.lora_adapter import ModelShape, from_peft, from_trtllm
 from engine.request import GenerationRequest
 from engine.execution.tiny_model import ensure_tiny_model
 from sampling import SamplingParams
-from tests.serving import assert_nothing_held, serve_session
+from tests.serving import assert_nothing_held, deploy, serve_session
 from tests.test_lora import ALL, make_adapter, to_trtllm
 
 PROMPT = [1, 450, 499, 173, 170, 110, 169, 97, 278]
@@ -39,8 +38,7 @@ def base_url(adapter_dirs):
     with serve_session() as url:
         args = {"torch_threads": 1, "embeddings": False, "pd_local_prefill_tokens": 0,
                 "lora_modules": f"style={adapter_dirs['style']}", "max_lora_tasks": MAX_TASKS}
-        serve.run(pd_app(args), name="pd", route_prefix="/pd")
-        serve.run(colocated_app(args), name="co", route_prefix="/co")
+        deploy({"pd": pd_app(args), "co": colocated_app(args)}, together=False)  # memory, as test_real_model
         yield url
 
 
