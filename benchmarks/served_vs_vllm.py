@@ -3,15 +3,18 @@
 One run, one machine, back to back, the same model directory and the same token ids: a random
 model shaped like SmolLM-135M cut to 8 layers (benchmarks/engine_throughput.py, with room for
 2,048-token prompts), greedy, EOS ignored. For each server: start it, one small warm-up round, then
-each workload ``--rounds`` times with fresh prompts (no prefix-cache hits), the last round reported
-(warm), then stop it. A workload sends all its
-requests at once as streamed ``/v1/completions`` with token-id prompts; output tokens are read
-from each stream's final usage. Default workloads: 32 and 128 requests x 128 prompt ids, and
-16 requests x 2,048 prompt ids, each 64 tokens out.
+for each workload one warm-up round and ``--rounds`` measured rounds with fresh prompts (no
+prefix-cache hits), every measured round reported (vLLM's vary more than ours), then stop it. A
+workload sends all its requests at once as streamed ``/v1/completions`` with token-id prompts;
+output tokens are read from each stream's final usage. Default workloads (issue 40's): 32 requests
+x 128 prompt ids and 16 requests x 1,536 prompt ids, each 64 tokens out.
 
 vLLM runs from ``.venv-vllm`` (``make bench-vllm``) as ``python -m vllm.entrypoints.openai.api_server``
 with ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV; pdserve gets the same KV memory. Colocated gives its one
-engine every torch thread; PD gives P and D half each. Prints output tok/s, mean TTFT and the ratio to vLLM.
+engine every torch thread; PD gives P and D half each. pdserve runs in its default mode (batch
+invariance per the CPU and dtype: docs/sampling.md); a server named with ``-fastest``
+(``colocated-fastest``, ``pd-fastest``) runs with batch invariance off. Prints output tok/s per
+round, mean TTFT and the ratio of the rounds' mean to vLLM's.
 
     python benchmarks/served_vs_vllm.py [--dtype float32|bfloat16] [--threads 2] [--servers vllm,colocated,pd]
     python benchmarks/served_vs_vllm.py --model DIR --workloads 32x128   # a real model's directory
@@ -86,10 +89,11 @@ async def run_round(url: str, prompts: list[list[int]], output_len: int) -> dict
     return {"tok_s": sum(t for t, _ in results) / seconds, "mean_ttft_s": sum(f for _, f in results) / len(results)}
 
 
-def measure(url: str, workloads: list[Workload], rounds: int) -> dict[str, dict]:
-    """Each workload ``rounds`` times, fresh prompts each time; the last round is the one kept (warm)."""
+def measure(url: str, workloads: list[Workload], rounds: int) -> dict[str, list[dict]]:
+    """Each workload once to warm up, then ``rounds`` measured times, fresh prompts each time: the
+    measured rounds."""
     asyncio.run(run_round(url, Workload(4, 64, 8).prompts(0), 8))  # warm-up
-    return {w.name: [asyncio.run(run_round(url, w.prompts(100 * i + r), w.output_len)) for r in range(rounds)][-1]
+    return {w.name: [asyncio.run(run_round(url, w.prompts(100 * i + r), w.output_len)) for r in range(rounds + 1)][1:]
             for i, w in enumerate(workloads, start=1)}
 
 
@@ -133,8 +137,9 @@ def run_pdserve(kind: str, model_dir: Path, dtype: str, threads: int, workloads:
 
     from deployments.app import colocated_app, pd_app
 
+    kind, _, mode = kind.partition("-")
     args = {"model": str(model_dir), "served_model_name": MODEL_NAME, "dtype": dtype, "embeddings": False,
-            "kv_cache_memory_gb": KV_GIB, "batch_invariant": False}
+            "kv_cache_memory_gb": KV_GIB, "batch_invariant": False if mode == "fastest" else None}
     with serve_session() as url:
         if kind == "colocated":
             app = colocated_app({**args, "torch_threads": threads}, {"ray_actor_options": {"num_cpus": threads}})
@@ -152,8 +157,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--servers", default="vllm,colocated,pd")
-    parser.add_argument("--workloads", default="32x128,128x128,16x2048", help="REQUESTSxPROMPT_LEN,...")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per workload; the last is reported")
+    parser.add_argument("--workloads", default="32x128,16x1536", help="REQUESTSxPROMPT_LEN,...")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per workload, after a warm-up")
     parser.add_argument("--model", type=Path, help="a model directory to serve instead of the random SmolLM-8L")
     parser.add_argument("--vllm-venv", type=Path, default=Path(__file__).resolve().parents[1] / ".venv-vllm")
     args = parser.parse_args()
@@ -168,16 +173,20 @@ def main() -> None:
                 measured = run_pdserve(server, model_dir, args.dtype, args.threads, workloads, args.rounds)
             if measured is not None:
                 results[server] = measured
-    print(f"served, {args.dtype}, {args.threads} threads; output tok/s (mean TTFT s), ratio to vLLM")
+    print(f"served, {args.dtype}, {args.threads} threads; output tok/s of each round (mean TTFT s of the rounds), "
+          "the rounds' mean / vLLM's")
     for w in workloads:
-        base = results.get("vllm", {}).get(w.name, {}).get("tok_s")
-        cells = []
+        base = _mean(results["vllm"][w.name], "tok_s") if "vllm" in results else None
         for server, measured in results.items():
-            r = measured[w.name]
-            ratio = f" {r['tok_s'] / base:.2f}x" if base and server != "vllm" else ""
-            cells.append(f"{server} {r['tok_s']:7.1f} ({r['mean_ttft_s']:.2f}){ratio}")
-        print(f"{w.name:>18}: " + " | ".join(cells))
+            rounds = measured[w.name]
+            ratio = f"  {_mean(rounds, 'tok_s') / base:.2f}x" if base and server != "vllm" else ""
+            print(f"{w.name:>18}  {server:<18} " + " ".join(f"{r['tok_s']:7.1f}" for r in rounds)
+                  + f"  ({_mean(rounds, 'mean_ttft_s'):.2f}){ratio}")
     write_json(args.json, {"dtype": args.dtype, "threads": args.threads, "results": results})
+
+
+def _mean(rounds: list[dict], key: str) -> float:
+    return sum(r[key] for r in rounds) / len(rounds)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,17 @@
 """Does the serving path keep up with the engine? Concurrent streams served against the engine in-process.
 
 Sends ``--concurrency`` streamed requests at once (``--input-len`` prompt ids, ``--output-len``
-tokens each, greedy, EOS ignored) to the colocated app over HTTP, ``--rounds`` times after one
-warm-up round, and runs the same requests through the engine in this process (``LLMEngine.generate``,
-no asyncio, no Ray, no HTTP; first, so that no Ray process is left running beside it). Prints output tokens per second of each and their ratio (served /
-in-process): the serving path's share of the engine's throughput. Both run in this one process
-tree, back to back: compare figures within one run (the machine may be shared).
+tokens each, sampled as the endpoints' defaults sample (temperature 1, no top-k or top-p), EOS
+ignored) to the colocated app over HTTP, ``--rounds`` times after one warm-up round, and runs the
+same requests through the engine in this process (``LLMEngine.generate``, no asyncio, no Ray, no
+HTTP; first, so that no Ray process is left running beside it). Prints output tokens per second of
+each and their ratio (served / in-process): the serving path's share of the engine's throughput.
+Both run in this one process tree, back to back: compare figures within one run (the machine may
+be shared).
+
+Where the served rounds' CPU went: the CPU seconds each process used during the measured rounds
+(the engine replica, the ingress, Serve's proxy and controller, Ray's own daemons, this client),
+per second of the rounds (1.00 = one core busy) and per 1,000 output tokens.
 
     python benchmarks/stream_throughput.py [--model tiny-llama] [--concurrency 32] [--endpoint infer_token]
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 import sys
 import time
@@ -21,6 +28,7 @@ import time
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 from ray import serve  # noqa: E402
 
 from deployments.app import colocated_app  # noqa: E402
@@ -45,8 +53,48 @@ async def served_round(url: str, works, endpoint: str, model: str) -> tuple[int,
     return sum(r.output_tokens for r in results), elapsed
 
 
+def process_role(process: psutil.Process) -> str | None:
+    """What a process on this machine is to the served app, by its Ray process title; None: not ours."""
+    if process.pid == os.getpid():
+        return "client (this script)"
+    try:
+        title = " ".join(process.cmdline()) or process.name()
+    except psutil.Error:
+        return None
+    for marker, role in (("Ingress", "ingress"), ("LLMServer", "engine replica"), ("ProxyActor", "Serve proxy"),
+                         ("ServeController", "Serve controller"), ("raylet", "Ray daemons"),
+                         ("gcs_server", "Ray daemons"), ("ray::", "other Ray workers")):
+        if marker in title:
+            return role
+    return None
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds so far) of the processes ``process_role`` knows."""
+    seconds = {}
+    for process in psutil.process_iter():
+        role = process_role(process)
+        if role is None:
+            continue
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        seconds[process.pid] = (role, times.user + times.system)
+    return seconds
+
+
+def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds used between the two readings, summed by role."""
+    used: dict[str, float] = {}
+    for pid, (role, seconds) in after.items():
+        used[role] = used.get(role, 0.0) + seconds - before.get(pid, (role, 0.0))[1]
+    return used
+
+
 def in_process_round(engine: LLMEngine, works, tag: str) -> tuple[int, float]:
-    params = SamplingParams(max_new_tokens=works[0].output_len, temperature=0.0, ignore_eos=True)
+    # The endpoints' defaults: temperature 1, no top-k or top-p (what the served requests run with).
+    params = SamplingParams(max_new_tokens=works[0].output_len, ignore_eos=True)
     requests = [GenerationRequest(f"{tag}-{w.index}", w.input_ids, params) for w in works]
     start = time.perf_counter()
     results = engine.generate(requests)
@@ -74,7 +122,10 @@ def main() -> None:
     with serve_session() as url:
         serve.run(colocated_app(engine_args, {"ray_actor_options": {"num_cpus": args.threads}}), name="stream",
                   route_prefix="/")
-        served = [asyncio.run(served_round(url, works, args.endpoint, args.model)) for works in rounds]
+        served = [asyncio.run(served_round(url, works, args.endpoint, args.model)) for works in rounds[:1]]
+        before = cpu_seconds()
+        served += [asyncio.run(served_round(url, works, args.endpoint, args.model)) for works in rounds[1:]]
+        used = cpu_by_role(before, cpu_seconds())
     served_rate = sum(t for t, _ in served[1:]) / sum(s for _, s in served[1:])
     local_rate = sum(t for t, _ in local[1:]) / sum(s for _, s in local[1:])
     print(f"{args.concurrency} streams x {args.output_len} tokens, {args.rounds} rounds after a warm-up, "
@@ -82,6 +133,10 @@ def main() -> None:
     print(f"served over HTTP + Ray Serve: {served_rate:8.1f} tok/s")
     print(f"engine in-process:            {local_rate:8.1f} tok/s")
     print(f"served / in-process:          {served_rate / local_rate:8.2f}")
+    seconds, tokens = sum(s for _, s in served[1:]), sum(t for t, _ in served[1:])
+    print("CPU of the measured served rounds, by process: cores busy, CPU ms per 1,000 output tokens")
+    for role, cpu in sorted(used.items(), key=lambda item: -item[1]):
+        print(f"  {role:<20} {cpu / seconds:5.2f} {1e6 * cpu / tokens:8.0f}")
 
 
 if __name__ == "__main__":

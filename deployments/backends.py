@@ -1,11 +1,12 @@
 """How the ingress reaches the engines: colocated (one deployment) or disaggregated (P then D).
 
-Both yield the engine's RequestOutputs, one per step per choice, as the engine made them: an
-engine server sends them in batches (every output since its last item, deployments/servers.py),
-one Ray Serve item and one wake-up here per batch, and ``_served`` unpacks them in order, so
-every layer above (migration, the dialects' writers) sees what it saw. When the caller stops iterating
-(a client went away), the call in flight is cancelled; Ray Serve cancels it in the replica,
-where leaving the engine's stream aborts the request and frees its blocks.
+Both yield the engine's RequestOutputs, one per step per choice, as the engine made them, so
+every layer above (migration, the dialects' writers) sees what it saw. The colocated engine sends
+them on one channel per replica to this ingress, a step's outputs of all its requests in one item
+(deployments/output_channels.py). P's and D's calls stream per request: an engine server sends
+every output since its last item in one batch (deployments/servers.py), and ``_served`` unpacks
+them in order. When the caller stops iterating (a client went away), the request is aborted in
+its replica (the call in flight cancelled, or the channel told), which frees its blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from deployments.disaggregation import NO_DECODE_REPLICA, NO_PLAN, Decision, Dis
 from deployments.failures import DecodeDown, KVLeaseExpired, NoDecodeReplica
 from deployments.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.liveness import taken_then_watched, watched
+from deployments.output_channels import ChannelReceiver
 from deployments.streams import cancel_all, cancel_on_exit
 from deployments.tracing import KVTransfer, RequestTrace
 from engine.outputs import RequestOutput
@@ -31,22 +33,25 @@ from engine.request import GenerationRequest
 
 
 class ColocatedBackend:
-    """One call per request, streamed. Requests and outputs are plain data, so the call goes
-    by value over Ray Serve's replica-to-replica gRPC channel instead of as a Ray actor task:
-    about 1 ms less to the first token (benchmarks/RESULTS.md). P and D cannot: their calls
-    carry the KV's ObjectRef (docs/serving.md)."""
+    """One engine deployment serving each request whole. Each request is submitted to a replica
+    (routed as deployments/routing.py says) and its outputs come back on that replica's channel
+    to this ingress, which carries every request's outputs of a step in one item
+    (deployments/output_channels.py). Requests and outputs are plain data: they go by value over
+    Ray Serve's replica-to-replica gRPC channel, not as Ray actor tasks (docs/serving.md)."""
 
     def __init__(self, llm: DeploymentHandle, stall_timeout_s: float) -> None:
         self.handles = {"LLMServer": llm}
-        self._generate = llm.options(stream=True, _by_reference=False).generate
+        self.channels = ChannelReceiver(llm, stall_timeout_s)
         self.stall_timeout_s = stall_timeout_s
 
     async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None
                      ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs; ReplicaStalled if its replica stops mid-stream (liveness.py)."""
-        # The one replica may be restarting: no bound on its taking the call but the deadline.
-        async with aclosing(_served(self._generate.remote(request), self.stall_timeout_s, trace)) as outputs:
+        """The engine's outputs; a replica failure if its replica stops or dies mid-stream.
+        The one replica may be restarting: no bound on its taking the request but the deadline."""
+        async with aclosing(self.channels.stream(request)) as outputs:
             async for output in outputs:
+                if trace:
+                    trace.record_prefill(output)
                 yield output
 
 

@@ -23,9 +23,16 @@ class ReplicaStalled(Exception):
     """The replica serving a stream gave no sign of life for too long (deployments/liveness.py)."""
 
 
-class PrefixLost(Exception):
-    """A call pinned to the D replica that holds the request's prefix reached another one: that
-    replica died or left (deployments/servers.py)."""
+class ReplicaGone(Exception):
+    """A call pinned to a replica reached another one: that replica died or left (deployments/servers.py)."""
+
+
+class PrefixLost(ReplicaGone):
+    """A call pinned to the D replica that holds the request's prefix reached another one."""
+
+
+class ChannelClosed(Exception):
+    """The ingress closed the channel a request's outputs came on (deployments/output_channels.py)."""
 
 
 class DecodeDown(Exception):
@@ -40,7 +47,8 @@ class NoDecodeReplica(Exception):
 
 # What Ray and Serve raise when a replica died, is unreachable or lost an object; and a replica
 # that did not take its KV in time or stalled mid-stream, which the ingress treats the same way.
-REPLICA_FAILURES = (RayError, RayServeException, KVLeaseExpired, ReplicaStalled, PrefixLost, DecodeDown)
+REPLICA_FAILURES = (RayError, RayServeException, KVLeaseExpired, ReplicaStalled, ReplicaGone, DecodeDown,
+                    ChannelClosed)
 REPLICA_RETRY_AFTER_S = 1  # Retry-After of a 503 when a replica failed: Serve routes around it, or restarts it
 logger = logging.getLogger("ray.serve")
 

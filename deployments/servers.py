@@ -19,9 +19,10 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.disaggregation import DecodeLoad
 from deployments.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
-from deployments.failures import PrefixLost
+from deployments.failures import PrefixLost, ReplicaGone
 from deployments.liveness import Accepted, Heartbeat, heartbeats, replica_id
 from deployments.load_meter import LoadMeter
+from deployments.output_channels import ChannelSender
 from deployments.lora_store import LoraCache
 from deployments.routing import STATS_PERIOD_S, EngineRouter
 from deployments.tracing import KVTransfer
@@ -98,6 +99,7 @@ class _StreamingServer(_EngineServer):
                  step_timeout_s: float) -> None:
         super().__init__(engine_config, lora_store, max_loras)
         self.heartbeat_s, self.step_timeout_s = heartbeat_s, step_timeout_s
+        self.channels = ChannelSender(self.engine.close_stream)  # deployments/output_channels.py
 
     def responsive(self) -> bool:
         """The engine thread runs and the step it is in (if any) has not run past the bound."""
@@ -129,6 +131,36 @@ class _StreamingServer(_EngineServer):
         lora = await self.loras.adapter(request.lora)
         async for item in self._streamed(self._metered(self.engine.generate_batches(request, lora)), pinned):
             yield item
+
+    async def submit(self, request: GenerationRequest, channel: str) -> Accepted:
+        """Start the whole request in this engine, its outputs going to the ingress's ``channel``
+        (deployments/output_channels.py); ``Accepted`` once it is queued, its error (a bad request)
+        at once."""
+        lora = await self.loras.adapter(request.lora)
+        self.channels.start(channel, request.request_id, self._metered(self.engine.open_batches(request, lora)))
+        return Accepted(replica_id())
+
+    async def channel(self, channel: str, pinned: str | None = None
+                      ) -> AsyncIterator[Accepted | Heartbeat | dict[str, list]]:
+        """The ingress's ``channel`` to this replica, ``pinned`` here: ``Accepted``, then every
+        step's outputs of its requests in one item (request id -> outputs), heartbeats while there
+        is nothing to send; it ends once it has carried no request for a while."""
+        if pinned is not None and pinned != replica_id():
+            raise ReplicaGone("the replica this channel was opened to is gone")
+        yield Accepted(replica_id())
+        async for item in self.channels.read(channel, self.heartbeat_s):
+            if item is not None:
+                yield item
+            elif self.responsive():
+                yield Heartbeat()
+
+    def abort(self, channel: str, request_id: str, pinned: str | None = None) -> None:
+        """The ingress stopped reading ``request_id`` (its client left): end it here."""
+        self.channels.abort(channel, request_id)
+
+    def open_channels(self) -> int:
+        """The ingresses' channels open on this replica (ChannelSender.open_channels)."""
+        return self.channels.open_channels()
 
     async def _metered(self, batches: AsyncIterator[list[RequestOutput]]) -> AsyncIterator[list[RequestOutput]]:
         previous = None  # when the stream sent its last batch

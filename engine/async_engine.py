@@ -191,10 +191,33 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=10)
 
+    def open_batches(self, request: GenerationRequest, lora: LoraAdapter | None = None
+                     ) -> AsyncIterator[list[RequestOutput]]:
+        """``generate_batches``, with the request checked and queued now (ValueError at once, not at
+        the first read): a caller that hands the iterator to a task answers before the first output
+        (deployments/output_channels.py). One that may drop it unread calls ``close_stream``."""
+        outbox = self._open(request, Mode.GENERATE, None, lora)
+        return self._batches(request, outbox, None)
+
+    def close_stream(self, request_id: str) -> None:
+        """End ``request_id``'s stream if it is open: the request is aborted and its blocks freed.
+        Idempotent; a stream that ended already is left as it is."""
+        with self._lock:
+            open_stream = self._streams.pop(request_id, None)
+        if open_stream is not None:
+            self.abort(request_id)
+
     async def _submit(self, request: GenerationRequest, mode: Mode, prefill: PrefillResult | None,
                       lora: LoraAdapter | None, kv_export_start: int = 0) -> AsyncIterator[list]:
         """The request's outputs, in batches, until every choice has ended (or, PREFILL, gone on
         to D). An engine failure is raised after the outputs delivered before it."""
+        outbox = self._open(request, mode, prefill, lora, kv_export_start)
+        async for batch in self._batches(request, outbox, prefill):
+            yield batch
+
+    def _open(self, request: GenerationRequest, mode: Mode, prefill: PrefillResult | None,
+              lora: LoraAdapter | None, kv_export_start: int = 0) -> _Outbox:
+        """Check the request, register its stream and queue it for the engine thread."""
         self.engine.validate(request, mode, prefill, lora)
         outbox = _Outbox(asyncio.get_running_loop())
         with self._lock:
@@ -203,6 +226,12 @@ class AsyncEngine:
             self._streams[request.request_id] = outbox
         self._commands.put(("add", request, mode, prefill, kv_export_start, lora))
         self._wake.set()
+        return outbox
+
+    async def _batches(self, request: GenerationRequest, outbox: _Outbox, prefill: PrefillResult | None
+                       ) -> AsyncIterator[list]:
+        """An opened stream's batches, until every choice has ended (or gone on to D); leaving
+        early closes the stream (``close_stream``)."""
         remaining = {c.index for c in prefill.choices} if prefill is not None else set(range(request.n))
         if request.params.beam_width > 1:
             remaining = {0}  # beams end in one output
@@ -222,10 +251,11 @@ class AsyncEngine:
                 done = not remaining
                 yield batch
         finally:
-            with self._lock:
-                self._streams.pop(request.request_id, None)
-            if not done:
-                self.abort(request.request_id)
+            if done:
+                with self._lock:
+                    self._streams.pop(request.request_id, None)
+            else:
+                self.close_stream(request.request_id)
 
     async def _take(self, outbox: _Outbox) -> list:
         """Everything delivered to ``outbox`` and not taken yet (waits for one item). Taking and

@@ -1,0 +1,283 @@
+"""One stream from each engine replica to each ingress, carrying every request's outputs.
+
+A stream per request costs a replica one Ray Serve item per request per step (a gRPC message,
+a wake-up of the replica's and the ingress's loops, under the GIL the engine thread needs): at 32
+running requests, 32 items a step. A channel carries one ingress's outputs of a step, for all its
+requests on that replica, in one item (SGLang's detokenizer and vLLM's output socket do the same
+between their processes). The protocol, between a replica's ``ChannelSender`` and an ingress's
+``ChannelReceiver``:
+
+1. ``submit(request, channel)``: routed as any request (prefix affinity and load,
+   deployments/routing.py). The replica checks the request, starts it in its engine and answers
+   ``Accepted``; the request's outputs go to ``channel`` (the ingress's id), keyed by request id (a
+   migrated request runs under a new id: its old replica's late outputs never reach it).
+2. ``channel(channel, pinned=replica)``: one streaming call per ingress and replica, opened by the
+   ingress once a request was accepted there and none is open. It yields ``Accepted``, then dicts of
+   request id -> the outputs made since the last item, in order (an ``Ended`` closes a request's
+   list, with the error that ended it, if any), and a ``Heartbeat`` while there is nothing to send
+   (deployments/liveness.py).
+3. ``abort(channel, request_id)``: the reader of a request went away (its client left): the replica
+   aborts it and frees its blocks.
+
+A replica ends a channel once it has carried no request for ``CHANNEL_LINGER_S`` (so a replica
+that Serve drains shuts down once its requests end); the ingress opens a new one for the requests
+accepted meanwhile. A channel that fails (the replica died or stalled: no item for
+``stall_timeout_s``) fails each of its requests as a replica failure, and they migrate
+(deployments/migration.py); the replica cancels the requests of a channel whose reader left, and of
+one that no reader opened within ``ORPHAN_S`` (its ingress died after submitting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+import uuid
+from typing import AsyncIterator, Callable
+
+from deployments.failures import ChannelClosed
+from deployments.liveness import Accepted, taken_then_watched
+from deployments.streams import cancel_on_exit
+from engine.outputs import RequestOutput
+from engine.request import GenerationRequest
+
+CHANNEL_LINGER_S = 2.0  # a channel without requests this long ends (the replica's side)
+ORPHAN_S = 30.0  # a replica cancels the requests of a channel that no reader opened within this
+
+
+@dataclass
+class Ended:
+    """The last item of a request on a channel: its stream ended, or failed with ``error``."""
+
+    error: Exception | None = None
+
+
+class _Channel:
+    """One ingress's requests on this replica: the outputs not sent yet, and the tasks feeding them."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list] = {}  # request id -> outputs (and a final Ended) not sent yet
+        self.ready = asyncio.Event()  # set when ``pending`` gains an item
+        self.tasks: dict[str, asyncio.Task] = {}  # request id -> the task moving its outputs here
+        self.reader = 0  # the generation of the reader now attached (0: none yet)
+
+    def put(self, request_id: str, items: list) -> None:
+        self.pending.setdefault(request_id, []).extend(items)
+        self.ready.set()
+
+    def take(self) -> dict[str, list]:
+        items, self.pending = self.pending, {}
+        self.ready.clear()
+        return items
+
+
+class ChannelSender:
+    """A replica's channels, by the ingress's channel id (the ``submit``, ``channel`` and ``abort``
+    of deployments/servers.py)."""
+
+    def __init__(self, close_stream: Callable[[str], None], linger_s: float = CHANNEL_LINGER_S,
+                 orphan_s: float = ORPHAN_S) -> None:
+        """``close_stream(request_id)``: ends a request's engine stream (AsyncEngine.close_stream)."""
+        self._close_stream = close_stream
+        self.linger_s, self.orphan_s = linger_s, orphan_s
+        self._channels: dict[str, _Channel] = {}
+        self._readers = 0  # readers attached so far: each one's generation
+
+    def start(self, channel_id: str, request_id: str, batches: AsyncIterator[list[RequestOutput]]) -> None:
+        """Move an opened request's ``batches`` (AsyncEngine.open_batches) to ``channel_id``."""
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            channel = self._channels[channel_id] = _Channel()
+            asyncio.get_running_loop().call_later(self.orphan_s, self._drop_orphan, channel_id, channel)
+        channel.tasks[request_id] = asyncio.create_task(self._pump(channel, request_id, batches))
+
+    async def _pump(self, channel: _Channel, request_id: str, batches: AsyncIterator[list]) -> None:
+        try:
+            async for batch in batches:
+                channel.put(request_id, batch)
+            channel.put(request_id, [Ended()])
+        except Exception as error:  # the engine failed it: the ingress raises it as the request's error
+            channel.put(request_id, [Ended(error)])
+        finally:
+            channel.tasks.pop(request_id, None)
+
+    def abort(self, channel_id: str, request_id: str) -> None:
+        """The ingress no longer reads ``request_id``: end it (its blocks are freed)."""
+        channel = self._channels.get(channel_id)
+        if channel is not None and request_id in channel.tasks:
+            self._end(channel, request_id)
+            channel.pending.pop(request_id, None)
+
+    async def read(self, channel_id: str, heartbeat_s: float) -> AsyncIterator[dict[str, list] | None]:
+        """The channel's items: every request's outputs since the last one, or None after
+        ``heartbeat_s`` without any (the server turns it into a Heartbeat while its engine runs).
+        Ends once the channel has had no request for ``linger_s``; leaving it early (the ingress
+        closed it, or died) cancels the channel's requests, unless a newer reader took it over."""
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            channel = self._channels[channel_id] = _Channel()
+        self._readers += 1
+        generation = channel.reader = self._readers
+        idle_since = None
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(channel.ready.wait(), heartbeat_s)
+                except TimeoutError:
+                    pass
+                if channel.reader != generation:  # a newer reader took the channel over: it takes the items
+                    return
+                if channel.pending:
+                    yield channel.take()
+                    idle_since = None
+                    continue
+                if not channel.tasks:
+                    loop_time = asyncio.get_running_loop().time()
+                    idle_since = idle_since or loop_time
+                    if loop_time - idle_since >= self.linger_s:
+                        return
+                yield None
+        finally:
+            if channel.reader == generation:  # not taken over: this channel is done
+                if self._channels.get(channel_id) is channel:
+                    del self._channels[channel_id]
+                for request_id in list(channel.tasks):
+                    self._end(channel, request_id)
+
+    def _drop_orphan(self, channel_id: str, channel: _Channel) -> None:
+        if not channel.reader and self._channels.get(channel_id) is channel:
+            del self._channels[channel_id]
+            for request_id in list(channel.tasks):
+                self._end(channel, request_id)
+
+    def _end(self, channel: _Channel, request_id: str) -> None:
+        """Cancel a request's task and close its engine stream (a task cancelled before it ran
+        never entered its stream, whose own cleanup would have closed it)."""
+        channel.tasks.pop(request_id).cancel()
+        self._close_stream(request_id)
+
+    def open_channels(self) -> int:
+        """Channels with a reader or requests on this replica (the tests' leak checks read it)."""
+        return len(self._channels)
+
+
+class ChannelReceiver:
+    """An ingress's channels to the replicas of one engine deployment: each request's outputs,
+    read from its replica's channel."""
+
+    def __init__(self, handle, stall_timeout_s: float) -> None:
+        """``handle``: the engine deployment's DeploymentHandle."""
+        self.channel_id = uuid.uuid4().hex
+        self.stall_timeout_s = stall_timeout_s
+        self._submit = handle.options(_by_reference=False).submit
+        self._open = handle.options(stream=True, _by_reference=False).channel
+        self._abort = handle.options(_by_reference=False).abort
+        self._inboxes: dict[str, _Inbox] = {}  # request id -> its outputs, as the readers deliver them
+        self._readers: dict[str, _Reader] = {}  # replica id -> the task reading its channel
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; its error when the engine ended it with one; a replica failure
+        when its replica's channel fails (deployments/failures.py). Leaving early aborts it."""
+        inbox = self._inboxes[request.request_id] = _Inbox()
+        submitted = asyncio.ensure_future(self._submit.remote(request, self.channel_id))
+        reader, ended = None, False
+        try:
+            accepted: Accepted = await asyncio.shield(submitted)
+            reader = self._reader(accepted.replica)
+            reader.requests.add(request.request_id)
+            while True:
+                for item in await inbox.take(reader):
+                    if isinstance(item, Ended):
+                        ended = True
+                        if item.error is not None:
+                            raise item.error
+                        return
+                    yield item
+        finally:
+            del self._inboxes[request.request_id]
+            if reader is not None:
+                reader.requests.discard(request.request_id)
+            if not ended:
+                self._abort_when_accepted(submitted, request.request_id)
+
+    def _abort_when_accepted(self, submitted: asyncio.Future, request_id: str) -> None:
+        """Abort a request whose reader left, once its replica has accepted it (at once if it has)."""
+        def abort(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._abort.remote(self.channel_id, request_id, pinned=done.result().replica)
+
+        submitted.add_done_callback(abort)
+
+    def _reader(self, replica: str) -> _Reader:
+        reader = self._readers.get(replica)
+        if reader is None:
+            reader = self._readers[replica] = _Reader(replica)
+            reader.task = asyncio.create_task(self._read(reader))
+        return reader
+
+    async def _read(self, reader: _Reader) -> None:
+        """Deliver a replica's channel to its requests' inboxes until it ends; if it fails, fail
+        them; if the replica ended it while requests were accepted there, open it again for them."""
+        call = self._open.remote(self.channel_id, pinned=reader.replica)
+        try:
+            async for item in taken_then_watched(cancel_on_exit(call), self.stall_timeout_s, lambda: reader.replica):
+                for request_id, outputs in item.items():
+                    inbox = self._inboxes.get(request_id)
+                    if inbox is not None:
+                        inbox.put(outputs)
+        except asyncio.CancelledError:  # the ingress shuts down
+            reader.error = ChannelClosed("the ingress closed the channel to this request's replica")
+            raise
+        except Exception as error:
+            reader.error = error
+        finally:
+            reader.ended = True
+            if self._readers.get(reader.replica) is reader:
+                del self._readers[reader.replica]
+            if reader.error is None and reader.requests:
+                reader.moved_to = self._reader(reader.replica)
+                reader.moved_to.requests |= reader.requests
+            for request_id in reader.requests:
+                if (inbox := self._inboxes.get(request_id)) is not None:
+                    inbox.wake()
+
+
+class _Reader:
+    """The ingress's reading of one replica's channel."""
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self.task: asyncio.Task | None = None
+        self.requests: set[str] = set()  # ids of the requests accepted there and still read
+        self.ended = False
+        self.error: Exception | None = None  # why the channel failed, if it did
+        self.moved_to: _Reader | None = None  # the channel opened again after this one ended
+
+
+class _Inbox:
+    """One request's outputs, delivered by its replica's reader."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self.ready = asyncio.Event()
+
+    def put(self, items: list) -> None:
+        self.items.extend(items)
+        self.ready.set()
+
+    def wake(self) -> None:
+        self.ready.set()
+
+    async def take(self, reader: _Reader) -> list:
+        """Everything delivered and not taken yet (waits for one item); the channel's error once
+        it failed with nothing left to take."""
+        while True:
+            if self.items:
+                items, self.items = self.items, []
+                self.ready.clear()
+                return items
+            while reader.moved_to is not None:
+                reader = reader.moved_to
+            if reader.ended and reader.error is not None:
+                raise reader.error
+            self.ready.clear()
+            await self.ready.wait()
