@@ -30,6 +30,7 @@ one that no reader opened within ``ORPHAN_S`` (its ingress died after submitting
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from dataclasses import dataclass
 import uuid
 from typing import AsyncIterator, Callable
@@ -178,7 +179,7 @@ class ChannelReceiver:
         """The request's outputs; its error when the engine ended it with one; a replica failure
         when its replica's channel fails (deployments/failures.py). Leaving early aborts it."""
         inbox = self._inboxes[request.request_id] = _Inbox()
-        submitted = asyncio.ensure_future(self._submit.remote(request, self.channel_id))
+        submitted = asyncio.ensure_future(_outside_request(self._submit.remote, request, self.channel_id))
         reader, ended = None, False
         try:
             accepted: Accepted = await asyncio.shield(submitted)
@@ -203,7 +204,7 @@ class ChannelReceiver:
         """Abort a request whose reader left, once its replica has accepted it (at once if it has)."""
         def abort(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is None:
-                self._abort.remote(self.channel_id, request_id, pinned=done.result().replica)
+                _outside_request(self._abort.remote, self.channel_id, request_id, pinned=done.result().replica)
 
         submitted.add_done_callback(abort)
 
@@ -211,7 +212,8 @@ class ChannelReceiver:
         reader = self._readers.get(replica)
         if reader is None:
             reader = self._readers[replica] = _Reader(replica)
-            reader.task = asyncio.create_task(self._read(reader))
+            # Not a child of the request that opens it (Serve cancels those with their parent).
+            reader.task = asyncio.create_task(self._read(reader), context=contextvars.Context())
         return reader
 
     async def _read(self, reader: _Reader) -> None:
@@ -239,6 +241,13 @@ class ChannelReceiver:
             for request_id in reader.requests:
                 if (inbox := self._inboxes.get(request_id)) is not None:
                     inbox.wake()
+
+
+def _outside_request(call, *args, **kwargs):
+    """``call(*args, **kwargs)`` as no Serve request's child: Serve cancels the calls a request
+    made when it is cancelled (its client left), and a channel, a submit whose answer decides the
+    abort, and the abort itself must outlive the request that made them."""
+    return contextvars.Context().run(call, *args, **kwargs)
 
 
 class _Reader:

@@ -155,7 +155,8 @@ class _StreamingServer(_EngineServer):
                 yield Heartbeat()
 
     def abort(self, channel: str, request_id: str, pinned: str | None = None) -> None:
-        """The ingress stopped reading ``request_id`` (its client left): end it here."""
+        """The ingress stopped reading ``request_id`` (its client left): end it here. ``pinned``:
+        this replica, for the router (deployments/routing.py)."""
         self.channels.abort(channel, request_id)
 
     def open_channels(self) -> int:

@@ -17,7 +17,8 @@ from engine.llm_engine import LLMEngine
 from engine.config import EngineConfig
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import assert_nothing_held, call_replica, kept_app, replicas, wait_until
+from tests.serving import (assert_nothing_held, call_replica, deploy, migrations, replicas, serve_session,
+                           wait_until)
 
 
 class FakeStreams:
@@ -160,10 +161,13 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def app_url():
+    """A colocated app of its own on the shared session, deleted when the module ends."""
     from deployments.app import colocated_app
 
-    args = {"torch_threads": 1, "dtype": "float32", "embeddings": False, "max_iter_times": 512}
-    return kept_app("channels", lambda: colocated_app(args))
+    with serve_session() as url:
+        deploy({"channels": colocated_app({"torch_threads": 1, "dtype": "float32", "embeddings": False,
+                                           "max_iter_times": 512})})
+        yield f"{url}/channels"
 
 
 def engine_replica() -> str:
@@ -171,7 +175,9 @@ def engine_replica() -> str:
     return name
 
 
-async def stream_ids(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> list[int]:
+async def stream_ids(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
+                     first: asyncio.Event | None = None) -> list[int]:
+    """A greedy /infer_token stream's token ids; ``first`` is set at its first token."""
     body = {"input_id": prompt, "stream": True,
             "parameters": {"max_new_tokens": max_tokens, "ignore_eos": True, "do_sample": False}}
     ids = []
@@ -180,6 +186,8 @@ async def stream_ids(client: httpx.AsyncClient, prompt: list[int], max_tokens: i
         async for line in response.aiter_lines():
             if line.startswith("data: ") and '"token"' in line:
                 ids.append(httpx.Response(200, content=line[6:]).json()["token"]["id"])
+                if first is not None:
+                    first.set()
     return ids
 
 
@@ -208,21 +216,28 @@ def test_concurrent_streams_share_one_channel_and_get_the_engines_tokens(app_url
 
 @pytest.mark.slow
 def test_a_client_that_leaves_mid_stream_is_aborted_and_the_others_go_on(app_url):
+    """The leaving request opens the replica's channel (Serve cancels the calls a request made when
+    it is cancelled: the channel must not be one of them), another request shares it, then the
+    first client leaves: it is aborted, the other completes where it runs."""
     def aborted() -> int:
         return call_replica(engine_replica(), "stats").finished_by_reason.get("abort", 0)
 
     async def scenario():
         async with httpx.AsyncClient(base_url=app_url, timeout=120) as client:
-            staying = asyncio.create_task(stream_ids(client, list(range(9, 40)), MAX_TOKENS))
             body = {"input_id": list(range(3, 50)), "stream": True,
                     "parameters": {"max_new_tokens": 500, "ignore_eos": True}}
             async with client.stream("POST", "/infer_token", json=body) as response:
                 lines = response.aiter_lines()
                 while '"token"' not in await anext(lines):
                     pass
+                started = asyncio.Event()
+                staying = asyncio.create_task(stream_ids(client, list(range(9, 40)), MAX_TOKENS, started))
+                await started.wait()
             return await staying
 
-    before = aborted()
+    assert wait_until(lambda: call_replica(engine_replica(), "open_channels") == 0, 30)  # no channel yet
+    aborts, moves = aborted(), migrations(app_url)
     assert len(asyncio.run(scenario())) == MAX_TOKENS
-    assert wait_until(lambda: aborted() == before + 1, 60)  # ended by the abort, not after its 500 tokens
+    assert migrations(app_url) == moves  # the channel outlived the request that opened it
+    assert wait_until(lambda: aborted() == aborts + 1, 60)  # ended by the abort, not after its 500 tokens
     assert_nothing_held(["LLMServer"], "channels")
