@@ -205,6 +205,8 @@ def test_concurrent_streams_share_one_channel_and_get_the_engines_tokens(app_url
             while not all(s.done() for s in streams):
                 channels_seen.append(await asyncio.to_thread(call_replica, engine_replica(), "open_channels"))
                 await asyncio.sleep(0.05)
+            # and once more: a channel outlives its last request by CHANNEL_LINGER_S
+            channels_seen.append(await asyncio.to_thread(call_replica, engine_replica(), "open_channels"))
             return [s.result() for s in streams]
 
     got = asyncio.run(scenario())
