@@ -42,7 +42,6 @@ class ColocatedBackend:
     def __init__(self, llm: DeploymentHandle, stall_timeout_s: float) -> None:
         self.handles = {"LLMServer": llm}
         self.channels = ChannelReceiver(llm, stall_timeout_s)
-        self.stall_timeout_s = stall_timeout_s
 
     async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None
                      ) -> AsyncIterator[RequestOutput]:

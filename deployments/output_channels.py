@@ -113,9 +113,7 @@ class ChannelSender:
         ``heartbeat_s`` without any (the server turns it into a Heartbeat while its engine runs).
         Ends once the channel has had no request for ``linger_s``; leaving it early (the ingress
         closed it, or died) cancels the channel's requests, unless a newer reader took it over."""
-        channel = self._channels.get(channel_id)
-        if channel is None:
-            channel = self._channels[channel_id] = _Channel()
+        channel = self._channels.setdefault(channel_id, _Channel())
         self._readers += 1
         generation = channel.reader = self._readers
         idle_since = None
@@ -139,16 +137,18 @@ class ChannelSender:
                 yield None
         finally:
             if channel.reader == generation:  # not taken over: this channel is done
-                if self._channels.get(channel_id) is channel:
-                    del self._channels[channel_id]
-                for request_id in list(channel.tasks):
-                    self._end(channel, request_id)
+                self._close(channel_id, channel)
 
     def _drop_orphan(self, channel_id: str, channel: _Channel) -> None:
-        if not channel.reader and self._channels.get(channel_id) is channel:
+        if not channel.reader:
+            self._close(channel_id, channel)
+
+    def _close(self, channel_id: str, channel: _Channel) -> None:
+        """Forget ``channel`` (unless a new one took its id since) and end its requests."""
+        if self._channels.get(channel_id) is channel:
             del self._channels[channel_id]
-            for request_id in list(channel.tasks):
-                self._end(channel, request_id)
+        for request_id in list(channel.tasks):
+            self._end(channel, request_id)
 
     def _end(self, channel: _Channel, request_id: str) -> None:
         """Cancel a request's task and close its engine stream (a task cancelled before it ran
@@ -255,7 +255,7 @@ class _Reader:
 
     def __init__(self, replica: str) -> None:
         self.replica = replica
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task | None = None  # held here: the event loop keeps only a weak reference
         self.requests: set[str] = set()  # ids of the requests accepted there and still read
         self.ended = False
         self.error: Exception | None = None  # why the channel failed, if it did
