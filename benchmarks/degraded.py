@@ -4,7 +4,7 @@ Deploys, on loopback, the PD app (1 P, 1 D) and the colocated app (1 engine) of 
 the same engine settings, and sends each the same closed-loop load (``--requests`` streamed
 /infer_token requests, ``--concurrency`` at a time, ``--input`` prompt tokens, ``--output``
 tokens each): the colocated app; the PD app with its D running; then the PD app with its D
-SIGSTOPped, once /health says degraded (P serves every request alone, deployments/decode_watch.py).
+SIGSTOPped, once /health says degraded (P serves every request alone, deployments/pd/decode_watch.py).
 Prints one JSON line per run, vLLM's field names (tools/stats.py), and the ratios to colocated.
 
     python benchmarks/degraded.py [--requests 24] [--concurrency 4] [--input 400] [--output 64] [--json PATH]

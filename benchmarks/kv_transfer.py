@@ -31,8 +31,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from benchmarks.cli import bench_parser, write_json  # noqa: E402
 from benchmarks.machine import copy_bandwidth  # noqa: E402
 from deployments.app import pd_app  # noqa: E402
-from deployments.kv_connector import KV_TRANSPORTS  # noqa: E402
-from deployments.kv_direct import map_segment, write_segment  # noqa: E402
+from deployments.pd.kv_connector import KV_TRANSPORTS  # noqa: E402
+from deployments.pd.kv_direct import map_segment, write_segment  # noqa: E402
 from tests.serving import deploy, serve_session  # noqa: E402
 from tools.clients import send_each  # noqa: E402
 from tools.loadgen import Work  # noqa: E402

@@ -1,4 +1,4 @@
-"""Rate-matched P:D on a trace: the replicas the planner (deployments/pd_planner.py) would choose.
+"""Rate-matched P:D on a trace: the replicas the planner (deployments/pd/pd_planner.py) would choose.
 
     python benchmarks/pd_planner.py --profile            # measure this machine's costs first
     python benchmarks/pd_planner.py --plot pd_planner.png --json pd_planner.json
@@ -34,7 +34,7 @@ import time
 import numpy as np
 
 from benchmarks.cli import bench_parser, write_json
-from deployments.pd_planner import DecodeProfile, decode_batch, decode_capacity, decode_replicas, prefill_capacity, \
+from deployments.pd.pd_planner import DecodeProfile, decode_batch, decode_capacity, decode_replicas, prefill_capacity, \
     prefill_replicas
 
 PHASES = {"quiet": 3.0, "busy": 12.0, "burst": 30.0}  # requests per second

@@ -2,7 +2,7 @@
 
 Starts each app alone on this machine's two cores: colocated gives its one engine both; the PD
 apps give P and D one torch thread each. "pd" is prefix-aware PD as configured by default
-(decode-side reuse, local prefill of short rests, deployments/disaggregation.py); "pd-whole" is
+(decode-side reuse, local prefill of short rests, deployments/pd/disaggregation.py); "pd-whole" is
 PD that sends every prompt whole through P (``pd_decode_prefix_reuse=false``,
 ``pd_local_prefill_tokens=0``), the PD of before; "pd-slo" is "pd" given the SLOs (PD_SLO) its
 policy weighs (docs/serving.md). Runs the same rate sweep of three workloads
@@ -47,8 +47,8 @@ from benchmarks.cli import bench_parser, write_json  # noqa: E402
 from benchmarks.conversations import run_conversations  # noqa: E402
 from deployments.app import colocated_app, pd_app  # noqa: E402
 from deployments.config import AppArgs  # noqa: E402
-from deployments.ingress import Ingress  # noqa: E402
-from deployments.liveness import Accepted, replica_id  # noqa: E402
+from deployments.ingress.ingress import Ingress  # noqa: E402
+from deployments.replicas.liveness import Accepted, replica_id  # noqa: E402
 from engine.model_info import ModelInfo  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -107,7 +107,7 @@ class EchoEngine:
                          attention_backend="none", batch_invariant=False)
 
     async def generate(self, request: GenerationRequest):
-        yield Accepted(replica_id())  # as the engine servers do (deployments/liveness.py)
+        yield Accepted(replica_id())  # as the engine servers do (deployments/replicas/liveness.py)
         n = request.params.max_new_tokens
         for i in range(1, n + 1):  # one output per batch: an engine that keeps up with its reader
             yield [RequestOutput(request.request_id, [i], "x", i, i == n, LENGTH if i == n else None, 0)]

@@ -11,13 +11,13 @@ from dataclasses import replace
 
 from ray.serve import Application
 
-from deployments.admission import serve_max_ongoing
+from deployments.ingress.admission import serve_max_ongoing
 from deployments.config import AppArgs
-from deployments.ingress import Ingress
-from deployments.embeddings import EmbeddingServer
-from deployments.kv_connector import make_kv_connector
-from deployments.lora_store import LoraStore
-from deployments.servers import DecodeServer, LLMServer, PrefillServer
+from deployments.ingress.ingress import Ingress
+from deployments.replicas.embeddings import EmbeddingServer
+from deployments.pd.kv_connector import make_kv_connector
+from deployments.replicas.lora_store import LoraStore
+from deployments.replicas.servers import DecodeServer, LLMServer, PrefillServer
 from engine.execution.loader import model_fingerprint, resolve_model_dir
 
 
@@ -75,7 +75,7 @@ def _embedder(args: AppArgs):
 
 
 def _lora_store(args: AppArgs):
-    """The app's LoRA adapters (deployments/lora_store.py), shared by every engine replica; none
+    """The app's LoRA adapters (deployments/replicas/lora_store.py), shared by every engine replica; none
     without enable_lora (one process fewer, and LoRA fields are refused)."""
     if not args.enable_lora:
         return None

@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from deployments.disaggregation import DisaggregationPolicy
-from deployments.rate_limits import RateLimits
+from deployments.pd.disaggregation import DisaggregationPolicy
+from deployments.ingress.rate_limits import RateLimits
 from engine.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from engine.execution.loader import TINY_LLAMA
 
@@ -49,23 +49,23 @@ class AppArgs(BaseModel):
         "of its prompt's chunking (docs/sampling.md); costs some throughput. Default: on on the CPU, but "
         "in bf16/fp16 on a CPU with AMX or AVX512-BF16; PDSERVE_BATCH_INVARIANT=1 or 0 in the replicas' environment decides")
     max_ongoing_requests: int = Field(256, gt=0, description="admission's request budget per P/D replica; the engines' Serve "
-                                      "max_ongoing_requests is sized from it (deployments/admission.py)")
+                                      "max_ongoing_requests is sized from it (deployments/ingress/admission.py)")
     finish_reasons: Literal["openai", "mindie"] = Field(
         "openai", description="finish_reason values on /v1: OpenAI's (stop, length) or MindIE's")
     max_migrations: int = Field(3, ge=0, description="times a request moves to another replica when the one "
-                                "serving it fails (deployments/migration.py); 0: a failure ends it")
+                                "serving it fails (deployments/ingress/migration.py); 0: a failure ends it")
     kv_lease_s: float = Field(30.0, gt=0, description="PD: seconds a D replica has to take a request after P "
-                              "answered; past them the request is prefilled again (deployments/backends.py)")
+                              "answered; past them the request is prefilled again (deployments/pd/backends.py)")
     kv_transport: Literal["object_store", "shared_memory"] = Field(
-        "object_store", description="PD: how P's KV reaches D (deployments/kv_connector.py): Ray's object store "
+        "object_store", description="PD: how P's KV reaches D (deployments/pd/kv_connector.py): Ray's object store "
         "(any placement), or shared_memory (/dev/shm; P, D and the ingress on one host, any raylets of it: "
-        "deployments/kv_direct.py)")
+        "deployments/pd/kv_direct.py)")
     pd_degrade_to_prefill: bool = Field(
-        True, description="PD: while no decode replica answers (dead, stopped, stuck: deployments/decode_watch.py), "
+        True, description="PD: while no decode replica answers (dead, stopped, stuck: deployments/pd/decode_watch.py), "
         "prefill replicas serve requests whole, as colocated engines; off: such requests get a 503 at once")
     stall_timeout_s: float = Field(5.0, gt=0, description="seconds without a token or a heartbeat after which "
                                    "the ingress takes a streaming replica for stalled and moves its request "
-                                   "(deployments/liveness.py); the replica says it is alive 4 times as often")
+                                   "(deployments/replicas/liveness.py); the replica says it is alive 4 times as often")
     step_timeout_s: float = Field(30.0, gt=0, description="the step watchdog: an engine step running longer "
                                   "than this stops the replica's heartbeats (its streams move, as a stalled "
                                   "replica's) and fails its health check (Serve replaces it)")
@@ -126,11 +126,11 @@ class AppArgs(BaseModel):
     max_file_bytes: int = Field(200 << 20, gt=0, description="the largest file /v1/files stores (bytes)")
     max_batch_lines: int = Field(50000, gt=0, description="the most requests (lines) a batch input file may hold")
     batch_max_in_flight: int = Field(8, gt=0, description="batch lines each ingress replica keeps in flight at "
-                                     "most; fewer while interactive requests wait (deployments/batch_runner.py)")
+                                     "most; fewer while interactive requests wait (deployments/ingress/batch_runner.py)")
     batch_lease_s: float = Field(10.0, gt=0, description="seconds a batch stays with the ingress replica driving "
                                  "it after its last sign of life; then another replica (or its successor) goes on")
     rate_limits: RateLimits = Field(default_factory=RateLimits, description="per-key requests and tokens per "
-                                    "minute (deployments/rate_limits.py); none by default")
+                                    "minute (deployments/ingress/rate_limits.py); none by default")
     traces_exporter: Literal["none", "console"] = Field(
         "none", description="OpenTelemetry spans of each request: none, or console (the ingress's stdout)")
 

@@ -1,7 +1,7 @@
 """What a client is told of a failure (``client_error``): a status it can act on and a message
 with nothing of Ray's in it; the cause goes to the server log. The failures that mean a replica
 died, stalled or lost what a request needed (``replica_failed``) are the ones the ingress
-migrates (deployments/migration.py)."""
+migrates (deployments/ingress/migration.py)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ from dialects.errors import APIError, from_value_error
 
 
 class KVLeaseExpired(Exception):
-    """No D replica took a request within its KV's lease (deployments/backends.py PDBackend)."""
+    """No D replica took a request within its KV's lease (deployments/pd/backends.py PDBackend)."""
 
 
 class ReplicaStalled(Exception):
-    """The replica serving a stream gave no sign of life for too long (deployments/liveness.py)."""
+    """The replica serving a stream gave no sign of life for too long (deployments/replicas/liveness.py)."""
 
 
 class ReplicaGone(Exception):
-    """A call pinned to a replica reached another one: that replica died or left (deployments/servers.py)."""
+    """A call pinned to a replica reached another one: that replica died or left (deployments/replicas/servers.py)."""
 
 
 class PrefixLost(ReplicaGone):
@@ -32,12 +32,12 @@ class PrefixLost(ReplicaGone):
 
 
 class ChannelClosed(Exception):
-    """The ingress closed the channel a request's outputs came on (deployments/output_channels.py)."""
+    """The ingress closed the channel a request's outputs came on (deployments/replicas/output_channels.py)."""
 
 
 class DecodeDown(Exception):
     """A request waited for a D replica to take its KV while none could answer
-    (deployments/decode_watch.py): it moves, to P alone when degradation is on."""
+    (deployments/pd/decode_watch.py): it moves, to P alone when degradation is on."""
 
 
 class NoDecodeReplica(Exception):
@@ -60,7 +60,7 @@ def root_cause(error: BaseException) -> BaseException:
 
 def replica_failed(error: BaseException) -> bool:
     """Whether ``error`` says a replica died, is unreachable or lost an object the request needed
-    (deployments/migration.py moves the request), not that the request itself was refused."""
+    (deployments/ingress/migration.py moves the request), not that the request itself was refused."""
     return isinstance(root_cause(error), REPLICA_FAILURES)
 
 

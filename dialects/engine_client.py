@@ -1,5 +1,5 @@
 """The seam between the dialects and the engines: what a dialect may ask of the serving system
-(vLLM's EngineClient is the model). deployments/engine_client.py implements it on Ray Serve
+(vLLM's EngineClient is the model). deployments/ingress/engine_client.py implements it on Ray Serve
 (colocated or P then D, with admission, tracing and migration behind it); a dialect calls it and
 imports nothing else of deployments/. Every error out of it is an ``APIError`` (dialects/errors.py)
 with nothing of Ray's in it.

@@ -9,7 +9,7 @@ are OpenAI's API reference's, so the ``openai`` SDK's ``client.files.*`` reads t
      "filename": "requests.jsonl", "purpose": "batch", "status": "processed", "status_details": null,
      "expires_at": null}
 
-A stored file is the plain dict of that shape (deployments/batch_store.py keeps it); nothing here
+A stored file is the plain dict of that shape (deployments/ingress/batch_store.py keeps it); nothing here
 touches storage.
 """
 

@@ -1,7 +1,7 @@
 """The bodies of the OpenAI-compatible routes, and of the dialects that speak through the chat
 request (OpenAI's Responses, Anthropic's Messages): parse, make the choices, send them through the
 engine client (dialects/engine_client.py), write the answer or its events. The ingress
-(deployments/ingress.py) binds the routes here; nothing here knows Ray.
+(deployments/ingress/ingress.py) binds the routes here; nothing here knows Ray.
 """
 
 from __future__ import annotations

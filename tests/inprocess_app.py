@@ -4,9 +4,9 @@ not Ray's transport use (tests/test_seed_examples.py, test_anthropic_thinking.py
 test_responses_reasoning.py).
 
 ``InProcessApp``: a FastAPI app whose routes call the ingress's own route methods
-(deployments/ingress.py, ``Ingress.func_or_class.<route>``) on a view holding what they read of
+(deployments/ingress/ingress.py, ``Ingress.func_or_class.<route>``) on a view holding what they read of
 the ingress (the dialects' serving objects, the Responses store), with the real app's error
-handlers (deployments/http_app.py), the real engine client (deployments/engine_client.py:
+handlers (deployments/ingress/http_app.py), the real engine client (deployments/ingress/engine_client.py:
 admission, traces, first-output handling) and an AsyncEngine in this process behind it. Requests
 run on one event loop in a thread of its own, as a served replica's do; ``post`` sends one,
 ``transport`` lets an SDK's own client (openai's httpx, anthropic's httpx2) send them. The served
@@ -23,11 +23,11 @@ from types import SimpleNamespace
 from fastapi import FastAPI, Request
 import httpx
 
-from deployments.admission import Admission
+from deployments.ingress.admission import Admission
 from deployments.config import AppArgs
-from deployments.engine_client import ServeEngineClient
-from deployments import http_app
-from deployments.ingress import Ingress, served_settings
+from deployments.ingress.engine_client import ServeEngineClient
+from deployments.ingress import http_app
+from deployments.ingress.ingress import Ingress, served_settings
 from dialects.mindie_serving import MindIEServing
 from dialects.openai_serving import OpenAIServing
 from dialects.responses import ResponseStore
@@ -58,7 +58,7 @@ class EngineHandle:
 
 
 class InProcessBackend:
-    """deployments/backends.py's ColocatedBackend with the engine in this process."""
+    """deployments/pd/backends.py's ColocatedBackend with the engine in this process."""
 
     def __init__(self, engine: AsyncEngine, tokenizer_dir: Path | None = None) -> None:
         self.engine, self.handles = engine, {"LLMServer": EngineHandle(engine, tokenizer_dir)}

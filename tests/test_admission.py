@@ -1,4 +1,4 @@
-"""Admission control (deployments/admission.py), in-process: budgets counted in tokens and requests
+"""Admission control (deployments/ingress/admission.py), in-process: budgets counted in tokens and requests
 per role and per replica, priority's headroom at the bound, and charges released exactly once.
 The burst through every dialect against a running app is in tests/test_stalls.py."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.admission import IN_FLIGHT_FACTOR, SHARE, Admission, Overloaded, admitted, serve_max_ongoing
+from deployments.ingress.admission import IN_FLIGHT_FACTOR, SHARE, Admission, Overloaded, admitted, serve_max_ongoing
 from deployments.config import AppArgs
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from deployments.app import pd_app
-from deployments.embeddings import default_model_dir
+from deployments.replicas.embeddings import default_model_dir
 from engine.execution.tiny_model import ensure_tiny_model
 from tests.models import load_hf
 from tests.serving import serve_session, sse_events

@@ -9,7 +9,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from deployments.embeddings import default_model_dir
+from deployments.replicas.embeddings import default_model_dir
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest

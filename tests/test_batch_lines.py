@@ -1,7 +1,7 @@
 """The Batch API's parts that need no server: each kind of invalid input line refused by name and
 line (dialects/batches_api.py), the upload checks (dialects/files_api.py), and the store's
-guarantees (deployments/batch_store.py): a line answered once, state read back by a new store,
-a batch's lease; the rate limits' window and keys (deployments/rate_limits.py).
+guarantees (deployments/ingress/batch_store.py): a line answered once, state read back by a new store,
+a batch's lease; the rate limits' window and keys (deployments/ingress/rate_limits.py).
 tests/test_batch_api.py runs batches, and the limits, through the served app."""
 
 import json
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from deployments.batch_store import COMPLETED, BatchStore
-from deployments.rate_limits import DEFAULT_KEY, RateLimits, SlidingWindow
+from deployments.ingress.batch_store import COMPLETED, BatchStore
+from deployments.ingress.rate_limits import DEFAULT_KEY, RateLimits, SlidingWindow
 from dialects.auth import check_api_key
 from dialects.batches_api import CreateBatchRequest, check_lines, new_batch, output_line
 from dialects.errors import APIError

@@ -10,13 +10,13 @@ import httpx
 import openai
 import pytest
 
-from deployments import batch_routes
-from deployments.batch_runner import BatchRunner
-from deployments.batch_store import BatchStore
-from deployments.http_app import app
-import deployments.ingress  # noqa: F401  (every route of the app registered, as in the replica)
-from deployments.metrics import IngressMetrics
-from deployments.rate_limits import RateLimiter, RateLimits
+from deployments.ingress import batch_routes
+from deployments.ingress.batch_runner import BatchRunner
+from deployments.ingress.batch_store import BatchStore
+from deployments.ingress.http_app import app
+import deployments.ingress.ingress  # noqa: F401  (every route of the app registered, as in the replica)
+from deployments.ingress.metrics import IngressMetrics
+from deployments.ingress.rate_limits import RateLimiter, RateLimits
 from dialects.files_api import UploadLimits
 
 MAX_BYTES, MAX_LINES = 2000, 3

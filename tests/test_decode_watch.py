@@ -1,5 +1,5 @@
-"""The ingress's watch of D (deployments/decode_watch.py) and the KV lease's wait
-(deployments/backends.py), in-process: a replica that stops answering ages out of ``answering``
+"""The ingress's watch of D (deployments/pd/decode_watch.py) and the KV lease's wait
+(deployments/pd/backends.py), in-process: a replica that stops answering ages out of ``answering``
 within stall_timeout_s, a dead one at once, one that answers again is back; a request waiting for a
 D to take its KV gives up when D is down, not at the end of its lease. The served tests
 (tests/test_faults.py, tests/test_stalls.py) stop real D replicas."""
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from deployments import routing
-from deployments.backends import _taken
-from deployments.decode_watch import DEPLOYMENT, DecodeWatch
+from deployments.pd import routing
+from deployments.pd.backends import _taken
+from deployments.pd.decode_watch import DEPLOYMENT, DecodeWatch
 from deployments.failures import DecodeDown, KVLeaseExpired, replica_failed
 
 STALL_S = 0.4

@@ -1,4 +1,4 @@
-"""A resumed request (the engine's half of decode migration, deployments/migration.py) goes on as
+"""A resumed request (the engine's half of decode migration, deployments/ingress/migration.py) goes on as
 if it had never stopped: the same tokens after the cut, the same streamed text, the same counts,
 colocated and through P then D."""
 

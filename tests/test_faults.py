@@ -22,7 +22,7 @@ import ray
 from ray import serve
 
 from deployments.app import colocated_app, pd_app
-from deployments.backends import PDBackend
+from deployments.pd.backends import PDBackend
 from deployments.config import AppArgs
 from deployments.failures import client_error
 from dialects.errors import APIError

@@ -1,4 +1,4 @@
-"""The shared-memory KV connector (deployments/kv_direct.py) in one process, without Ray: P's
+"""The shared-memory KV connector (deployments/pd/kv_direct.py) in one process, without Ray: P's
 ``send``, the ingress's ``claim`` and D's ``load`` give D P's bytes bit for bit, and every way a
 hand-off ends leaves no segment in /dev/shm. The Serve-level tests (parity with the object store
 across raylets, P killed after its reply) are in tests/test_serve_multinode.py."""
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from deployments import kv_direct
+from deployments.pd import kv_direct
 from deployments.config import AppArgs
 from deployments.failures import replica_failed
-from deployments.kv_connector import KVTransferTimeout, ObjectStoreConnector, PrefillReply, make_kv_connector
-from deployments.kv_direct import KVSegmentGone, KVUnreachable, SharedMemoryConnector, segments
-from deployments.liveness import Accepted, taken_then_watched
+from deployments.pd.kv_connector import KVTransferTimeout, ObjectStoreConnector, PrefillReply, make_kv_connector
+from deployments.pd.kv_direct import KVSegmentGone, KVUnreachable, SharedMemoryConnector, segments
+from deployments.replicas.liveness import Accepted, taken_then_watched
 from engine.kv_transfer import KVMeta, KVPayload
 from engine.outputs import ChoiceStart, PrefillResult, RequestOutput
 

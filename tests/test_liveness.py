@@ -1,4 +1,4 @@
-"""The pieces of stall detection (deployments/liveness.py) on their own: the server's heartbeats,
+"""The pieces of stall detection (deployments/replicas/liveness.py) on their own: the server's heartbeats,
 the ingress's watch, and the replicas the router prefers. tests/test_faults.py stops a real replica."""
 
 import asyncio
@@ -8,7 +8,7 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from deployments.failures import ReplicaStalled, replica_failed
-from deployments.liveness import Heartbeat, heartbeats, preferred, watched
+from deployments.replicas.liveness import Heartbeat, heartbeats, preferred, watched
 
 
 class Silent:

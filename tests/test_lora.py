@@ -181,7 +181,7 @@ def test_adapter_mistakes_name_the_field(model_dirs, adapters, tmp_path):
 def test_a_replica_keeps_max_loras_adapters_and_fetches_the_others_again():
     import asyncio
 
-    from deployments.lora_store import LoraCache
+    from deployments.replicas.lora_store import LoraCache
 
     adapters = {a.ref: a for a in (LoraAdapter.of(f"a{i}", {(0, "q"): (np.full((1, 4), i, np.float32),
                                                                          np.ones((4, 1), np.float32))})

@@ -5,7 +5,7 @@ import asyncio
 from dataclasses import replace
 from types import SimpleNamespace
 
-from deployments.metrics import IngressMetrics
+from deployments.ingress.metrics import IngressMetrics
 from engine.async_engine import EngineStats
 
 
@@ -49,7 +49,7 @@ def test_a_silent_replica_leaves_its_gauges_and_the_scrape_answers():
 
 
 def test_each_per_deployment_gauge_reads_its_own_stats_field():
-    """The table (deployments/metrics.py METRICS) ties each gauge to its EngineStats field: distinct
+    """The table (deployments/ingress/metrics.py METRICS) ties each gauge to its EngineStats field: distinct
     values in, each under its own metric name out."""
     distinct = replace(stats(blocks_used=7), running=3, prefix_cache_queries=11, prefix_cache_hits=5,
                        prompt_tokens_computed=13, spec_decode_num_drafts=2, spec_decode_num_draft_tokens=17,

@@ -1,4 +1,4 @@
-"""deployments/migration.py's decisions, with engines that fail on cue: what is sent again after a
+"""deployments/ingress/migration.py's decisions, with engines that fail on cue: what is sent again after a
 replica failure, when, and how often. The real faults (a replica killed mid-stream) are in
 tests/test_faults.py."""
 
@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from dialects.errors import APIError
-from deployments.migration import migrating
+from deployments.ingress.migration import migrating
 from engine.outputs import LENGTH, RequestOutput
 from engine.request import GenerationRequest
 from sampling import SamplingParams

@@ -13,8 +13,8 @@ from ray import serve
 
 from deployments.app import pd_app
 from deployments.config import AppArgs
-from deployments.ingress import Ingress
-from deployments.servers import DecodeServer, PrefillServer
+from deployments.ingress.ingress import Ingress
+from deployments.replicas.servers import DecodeServer, PrefillServer
 from tests.serving import serve_session, wait_until
 
 pytestmark = pytest.mark.own_ray  # a 2-CPU Ray of its own: placement is what it tests

@@ -1,4 +1,4 @@
-"""The colocated engine's output channels (deployments/output_channels.py): one stream per replica
+"""The colocated engine's output channels (deployments/replicas/output_channels.py): one stream per replica
 to each ingress carrying every request's outputs.
 
 The sender's rules on an asyncio loop of their own (a step's outputs of several requests in one
@@ -12,7 +12,7 @@ import asyncio
 import httpx
 import pytest
 
-from deployments.output_channels import ChannelSender, Ended
+from deployments.replicas.output_channels import ChannelSender, Ended
 from engine.llm_engine import LLMEngine
 from engine.config import EngineConfig
 from engine.request import GenerationRequest

@@ -1,4 +1,4 @@
-"""Rate-matched P:D (deployments/pd_planner.py, the Serve policies in deployments/autoscaling.py):
+"""Rate-matched P:D (deployments/pd/pd_planner.py, the Serve policies in deployments/replicas/autoscaling.py):
 the planner's decisions on a short recorded trace of what the replicas report, each worked out
 by hand; the replicas report what the policies read; the trace replay of benchmarks/pd_planner.py.
 In-process: the policies get AutoscalingContext-like inputs, as test_app_config gives the others."""
@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import pd_planner as replay
-from deployments import pd_planner, servers
-from deployments.autoscaling import DecodeRateScaling, DecodeScaling, PrefillRateScaling, PrefillScaling
-from deployments.load_meter import LoadMeter
+from deployments.pd import pd_planner
+from deployments.replicas import servers
+from deployments.replicas.autoscaling import DecodeRateScaling, DecodeScaling, PrefillRateScaling, PrefillScaling
+from deployments.replicas.load_meter import LoadMeter
 from engine.outputs import RequestOutput
 
 # P: 0.1 ms a prompt token, TTFT 500 ms. D: a step is 10 ms + 0.5 ms a sequence, TPOT 50 ms:

@@ -1,4 +1,4 @@
-"""PD's conditional-disaggregation policy (deployments/disaggregation.py) as a table: each row is
+"""PD's conditional-disaggregation policy (deployments/pd/disaggregation.py) as a table: each row is
 its inputs and the decision and reason it must give, with and without the app's TTFT/TPOT
 targets; the SLO arguments as the app takes them; D's time per token as its LoadMeter measures
 it; the router's "sent anywhere" answer. In-process, no Ray."""
@@ -6,10 +6,10 @@ it; the router's "sent anywhere" answer. In-process, no Ray."""
 import pydantic
 import pytest
 
-from deployments import routing
+from deployments.pd import routing
 from deployments.config import AppArgs
-from deployments.disaggregation import DecodeLoad, DisaggregationPolicy
-from deployments.load_meter import TOKEN_WINDOW_S, LoadMeter
+from deployments.pd.disaggregation import DecodeLoad, DisaggregationPolicy
+from deployments.replicas.load_meter import TOKEN_WINDOW_S, LoadMeter
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
 from sampling import SamplingParams

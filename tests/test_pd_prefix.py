@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.routing import AFFINITY_BLOCK, IMBALANCE_REQUESTS, PrefixIndex, block_keys, load, rank
+from deployments.pd.routing import AFFINITY_BLOCK, IMBALANCE_REQUESTS, PrefixIndex, block_keys, load, rank
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest, Mode
 from tests.test_prefix_cache import SYSTEM, assert_all_blocks_back, greedy, make_engine, sampled

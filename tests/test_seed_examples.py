@@ -2,9 +2,9 @@
 gets the documented answer: its status, its fields and their types. One row per example: a seed
 with a new example adds a row to EXAMPLES.
 
-In process (tests/inprocess_app.py): the ingress's own route methods (deployments/ingress.py),
+In process (tests/inprocess_app.py): the ingress's own route methods (deployments/ingress/ingress.py),
 the ingress's error handlers, the real engine client (admission, traces, first-output handling:
-deployments/engine_client.py) and an AsyncEngine behind it, on a random Llama with a 32000-token vocabulary (the example's token ids go up to 19678; ids past
+deployments/ingress/engine_client.py) and an AsyncEngine behind it, on a random Llama with a 32000-token vocabulary (the example's token ids go up to 19678; ids past
 tiny-llama's tokenizer decode to no text). Only Ray's transport is left out: the served routes are
 tested in tests/test_api_*.py and tests/test_serve_pd.py.
 

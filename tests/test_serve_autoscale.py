@@ -13,10 +13,10 @@ pytestmark = pytest.mark.slow
 
 BURST = 16
 WAVES = 6
-# D scales on its own signal (deployments/autoscaling.py): the requests it runs or queues.
+# D scales on its own signal (deployments/replicas/autoscaling.py): the requests it runs or queues.
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "metrics_interval_s": 0.5, "look_back_period_s": 1.0,
                "upscale_delay_s": 0.5, "downscale_delay_s": 3.0,
-               "policy": {"policy_function": "deployments.autoscaling:DecodeScaling",
+               "policy": {"policy_function": "deployments.replicas.autoscaling:DecodeScaling",
                           "policy_kwargs": {"target_requests": 2}}}
 
 

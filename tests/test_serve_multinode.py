@@ -1,5 +1,5 @@
 """P and D on separate nodes of a real (single-machine) Ray cluster: the KV crosses raylets, through
-Ray's object store (app ``pd``) and through shared memory (app ``pd_shm``, deployments/kv_direct.py)."""
+Ray's object store (app ``pd``) and through shared memory (app ``pd_shm``, deployments/pd/kv_direct.py)."""
 
 import asyncio
 import gc
@@ -11,10 +11,10 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from deployments.app import colocated_app, pd_app
-from deployments.backends import PDBackend
+from deployments.pd.backends import PDBackend
 from deployments.config import AppArgs
-from deployments.kv_connector import make_kv_connector
-from deployments.kv_direct import segments
+from deployments.pd.kv_connector import make_kv_connector
+from deployments.pd.kv_direct import segments
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 from tests.serving import deploy, element_size, processes, serve_session, sigkill, sse_events, wait_until

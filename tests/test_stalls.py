@@ -67,7 +67,7 @@ def test_the_step_watchdog_reads_a_hung_step_and_only_while_it_runs():
 
 
 def test_the_fault_hook_is_refused_without_the_test_setting(monkeypatch):
-    from deployments.servers import LLMServer
+    from deployments.replicas.servers import LLMServer
 
     monkeypatch.delenv("PDSERVE_FAULT_HOOKS", raising=False)
     server = LLMServer.func_or_class(EngineConfig(model="tiny-llama"), None, 1, 1.0, 0.5)

@@ -153,7 +153,7 @@ def stop_decode_10s(_):
 
 
 def stop_every_decode_15s(streams):
-    """Every D replica SIGSTOPped: none answers, so P serves alone (deployments/decode_watch.py): the
+    """Every D replica SIGSTOPped: none answers, so P serves alone (deployments/pd/decode_watch.py): the
     streams waiting on D move to P and new requests are prefilled and decoded there. The proof is
     /health saying "degraded" while they are stopped."""
     url = streams[0].url

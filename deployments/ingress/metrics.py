@@ -1,7 +1,7 @@
 """The ingress's Prometheus metrics (GET /metrics).
 
 Requests by endpoint, status and priority; per engine request, once each, the phase times
-of deployments/tracing.py (queue by stage, prefill, decode, KV transfer seconds and bytes,
+of deployments/ingress/tracing.py (queue by stage, prefill, decode, KV transfer seconds and bytes,
 time to first token, time per output token, end to end); and, read from the engine
 deployments at scrape time, queue depth
 by priority, KV blocks used / cached / free and the usage fraction, prefix-cache queries and
@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from deployments.health import app_deployments
-from deployments.tracing import RequestTrace
+from deployments.ingress.health import app_deployments
+from deployments.ingress.tracing import RequestTrace
 
 STATUS_TIMEOUT_S = 5.0  # Serve's status, read at each scrape for the replica counts
 # A deployment's stats, read at each scrape: a replica that does not answer in time (stalled,
@@ -33,7 +33,7 @@ BYTES_BUCKETS = tuple(4 ** k * 1024 for k in range(1, 12))  # 4 KiB .. 4 GiB
 
 
 class Metric(NamedTuple):
-    """One declared metric. ``phase``: the trace phase (deployments/tracing.py) a histogram observes
+    """One declared metric. ``phase``: the trace phase (deployments/ingress/tracing.py) a histogram observes
     once per engine request; ``stat``: the EngineStats field a per-deployment gauge reads at each scrape."""
 
     attr: str  # IngressMetrics' attribute
@@ -92,7 +92,7 @@ METRICS = (
     Metric("replicas", Gauge, "pdserve_replicas", "running replicas of each deployment of this application (P:D "
            "ratio under autoscaling)", DEPLOYMENT),
     Metric("pd_decisions", Gauge, "pdserve_pd_prefill_decisions", "PD requests by where their prompt was computed "
-           "(decode: on D, prefill: on P) and why (deployments/disaggregation.py)", ("where", "reason")),
+           "(decode: on D, prefill: on P) and why (deployments/pd/disaggregation.py)", ("where", "reason")),
     Metric("pd_decode_answering", Gauge, "pdserve_pd_decode_replicas_answering", "PD: decode replicas that "
            "answered the ingress's probe within stall_timeout_s; 0: P serves alone (prefill_only decisions) or, "
            "degradation off, requests get a 503"),

@@ -68,7 +68,7 @@ class RequestTrace:
     last_gap: float = 0.0  # seconds between the last two outputs with tokens
     output_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
-    migrations: int = 0  # times it moved to another replica after one failed (deployments/migration.py)
+    migrations: int = 0  # times it moved to another replica after one failed (deployments/ingress/migration.py)
 
     def record_prefill(self, output: RequestOutput) -> None:
         if self.prefill is None:

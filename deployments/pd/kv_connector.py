@@ -20,7 +20,7 @@ wrote into blocks (RDMA) would have to hold them until it knows the transfer sto
 The engine's side of the hand-off (D allocates blocks before the bytes move, the request waits in
 ``RECEIVING``, ``receive_kv``, aborts free the blocks) is in engine/ and knows no transport. The
 transports: Ray's object store here (``ObjectStoreConnector``), POSIX shared memory in
-deployments/kv_direct.py; an app picks one with ``kv_transport`` (``make_kv_connector``). Another
+deployments/pd/kv_direct.py; an app picks one with ``kv_transport`` (``make_kv_connector``). Another
 transport implements ``KVConnector``'s four methods; the engine, the servers and the ingress stay as they are.
 """
 
@@ -38,7 +38,7 @@ import numpy as np
 from ray.serve.handle import DeploymentResponseGenerator
 
 from deployments.failures import KVLeaseExpired
-from deployments.tracing import KVTransfer
+from deployments.ingress.tracing import KVTransfer
 from engine.kv_transfer import KVPayload
 from engine.outputs import PrefillResult, RequestOutput
 
@@ -119,7 +119,7 @@ class KVConnector(ABC):
                     ) -> PrefillReply:
         """The ingress: P's reply, read from its streaming call to P's ``prefill`` (which yields
         ``Accepted`` and heartbeats, then what ``send`` made) through ``watch`` (the ingress's watch
-        for a stalled P, deployments/liveness.py), with the handle to the KV bytes in ``reply.kv``;
+        for a stalled P, deployments/replicas/liveness.py), with the handle to the KV bytes in ``reply.kv``;
         the ingress owns them from here."""
 
     @abstractmethod
@@ -175,7 +175,7 @@ KV_TRANSPORTS = ("object_store", "shared_memory")
 
 def make_kv_connector(transport: str = "object_store", lease_s: float = 30.0) -> KVConnector:
     """The app's ``kv_transport``'s connector; ``lease_s``: the app's ``kv_lease_s``."""
-    from deployments.kv_direct import SharedMemoryConnector  # it imports this module
+    from deployments.pd.kv_direct import SharedMemoryConnector  # it imports this module
 
     if transport == "object_store":
         return ObjectStoreConnector(lease_s)

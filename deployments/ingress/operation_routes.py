@@ -1,7 +1,7 @@
 """What the ingress's operations routes answer: /health, the model list, the OpenAPI schema and its
 docs, the page at / and the traces it draws, /metrics. Plain functions of what each reads (the
 readiness, the OpenAI serving object, the engine client, the traces, the metrics); the routes
-themselves are the Ingress's methods (deployments/ingress.py), one line each, as Ray Serve finds
+themselves are the Ingress's methods (deployments/ingress/ingress.py), one line each, as Ray Serve finds
 routes on the ingress class.
 """
 
@@ -12,16 +12,16 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
-from deployments.backends import PDBackend
-from deployments.engine_client import ENGINE_WAIT_S, ServeEngineClient
-from deployments.health import Readiness
-from deployments.metrics import IngressMetrics
-from deployments.tracing import RecentTraces
+from deployments.pd.backends import PDBackend
+from deployments.ingress.engine_client import ENGINE_WAIT_S, ServeEngineClient
+from deployments.ingress.health import Readiness
+from deployments.ingress.metrics import IngressMetrics
+from deployments.ingress.tracing import RecentTraces
 from dialects.errors import APIError
 from dialects.openai_serving import OpenAIServing
 from dialects.openapi_doc import Served, openapi_schema
 
-WEB_PAGE = (Path(__file__).parent / "web" / "index.html").read_text()  # GET /: try the model in a browser
+WEB_PAGE = (Path(__file__).parents[1] / "web" / "index.html").read_text()  # GET /: try the model in a browser
 
 
 async def health(readiness: Readiness):

@@ -4,8 +4,8 @@
 the ingress's process. For a call:
 
 1. pinned to a replica (the ``pinned`` keyword: D's decode and local prefill go to the D replica
-   that said how much of the prompt it holds, deployments/backends.py): that replica;
-2. else, among the replicas no stream found stalled (deployments/liveness.py), the one that was
+   that said how much of the prompt it holds, deployments/pd/backends.py): that replica;
+2. else, among the replicas no stream found stalled (deployments/replicas/liveness.py), the one that was
    sent the most of the prompt's start (a prefix index per deployment, as Ray Serve LLM's
    prefix-aware router and SGLang's router keep one), the less loaded of equals; unless the
    replicas' loads differ by more than a bound, when the least loaded comes first (Ray Serve
@@ -97,7 +97,7 @@ def routed_replicas(deployment: str) -> set[str] | None:
 
 def first_choice(request_id: str) -> str | None:
     """The P replica this process ranked first for ``request_id``'s call, forgotten once asked: the
-    ingress marks it stalled when the call is not taken (deployments/liveness.py)."""
+    ingress marks it stalled when the call is not taken (deployments/replicas/liveness.py)."""
     return _first_choices.pop(request_id, None)
 
 
@@ -158,7 +158,7 @@ class EngineRouter(FIFOMixin, RequestRouter):
     """Pinned calls to their replica; the rest by prefix affinity and load (module docstring)."""
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        from deployments import routing  # the imported module's globals, as in choose_replicas
+        from deployments.pd import routing  # the imported module's globals, as in choose_replicas
 
         routing._routed[self._deployment_id.name] = {r.replica_id.to_full_id_str() for r in replicas}
         super().update_replicas(replicas)
@@ -167,7 +167,8 @@ class EngineRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         # Serve may rebuild this class from a pickle, its methods with a copy of this module's
         # globals: read the index and the marks from the imported modules, the ones the ingress writes.
-        from deployments import liveness, routing
+        from deployments.replicas import liveness
+        from deployments.pd import routing
 
         if not candidate_replicas:
             return []

@@ -8,14 +8,14 @@ between their processes). The protocol, between a replica's ``ChannelSender`` an
 ``ChannelReceiver``:
 
 1. ``submit(request, channel)``: routed as any request (prefix affinity and load,
-   deployments/routing.py). The replica checks the request, starts it in its engine and answers
+   deployments/pd/routing.py). The replica checks the request, starts it in its engine and answers
    ``Accepted``; the request's outputs go to ``channel`` (the ingress's id), keyed by request id (a
    migrated request runs under a new id: its old replica's late outputs never reach it).
 2. ``channel(channel, pinned=replica)``: one streaming call per ingress and replica, opened by the
    ingress once a request was accepted there and none is open. It yields ``Accepted``, then dicts of
    request id -> the outputs made since the last item, in order (an ``Ended`` closes a request's
    list, with the error that ended it, if any), and a ``Heartbeat`` while there is nothing to send
-   (deployments/liveness.py).
+   (deployments/replicas/liveness.py).
 3. ``abort(channel, request_id)``: the reader of a request went away (its client left): the replica
    aborts it and frees its blocks.
 
@@ -23,7 +23,7 @@ A replica ends a channel once it has carried no request for ``CHANNEL_LINGER_S``
 that Serve drains shuts down once its requests end); the ingress opens a new one for the requests
 accepted meanwhile. A channel that fails (the replica died or stalled: no item for
 ``stall_timeout_s``) fails each of its requests as a replica failure, and they migrate
-(deployments/migration.py); the replica cancels the requests of a channel whose reader left, and of
+(deployments/ingress/migration.py); the replica cancels the requests of a channel whose reader left, and of
 one that no reader opened within ``ORPHAN_S`` (its ingress died after submitting).
 """
 
@@ -36,8 +36,8 @@ import uuid
 from typing import AsyncIterator, Callable
 
 from deployments.failures import ChannelClosed
-from deployments.liveness import Accepted, taken_then_watched
-from deployments.streams import cancel_on_exit
+from deployments.replicas.liveness import Accepted, taken_then_watched
+from deployments.ingress.streams import cancel_on_exit
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
 
@@ -73,7 +73,7 @@ class _Channel:
 
 class ChannelSender:
     """A replica's channels, by the ingress's channel id (the ``submit``, ``channel`` and ``abort``
-    of deployments/servers.py)."""
+    of deployments/replicas/servers.py)."""
 
     def __init__(self, close_stream: Callable[[str], None], linger_s: float = CHANNEL_LINGER_S,
                  orphan_s: float = ORPHAN_S) -> None:

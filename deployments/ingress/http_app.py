@@ -1,6 +1,6 @@
 """The ingress's FastAPI app: its error handlers and its middleware, each answering in the route's
 dialect (Anthropic's shape on Anthropic's routes, OpenAI's elsewhere). The routes are the
-Ingress's methods (deployments/ingress.py; the operations routes' answers in deployments/operation_routes.py).
+Ingress's methods (deployments/ingress/ingress.py; the operations routes' answers in deployments/ingress/operation_routes.py).
 """
 
 import time
@@ -11,12 +11,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.failures import on_unexpected_error
-from deployments.metrics import IngressMetrics
+from deployments.ingress.metrics import IngressMetrics
 from dialects import anthropic, auth, mindie
 from dialects.errors import APIError, documented, error_response, on_api_error, on_http_error, on_validation_error
 from dialects.openai_serving import SSE
 
-# /openapi.json and /docs are the Ingress's own routes (deployments/ingress.py): the schema
+# /openapi.json and /docs are the Ingress's own routes (deployments/ingress/ingress.py): the schema
 # carries the served model's limits.
 app = FastAPI(title="pdserve", description="LLM serving with prefill/decode disaggregation on Ray Serve",
               openapi_url=None, docs_url=None, redoc_url=None)
@@ -50,7 +50,7 @@ async def limit_and_count(request: Request, call_next):
     """401 on a model route without the API key (dialects/auth.py), 413 for bodies over the cap,
     429 past the key's rate limits, each in the route's dialect; count every request by endpoint,
     status and priority."""
-    request.state.arrival = time.time()  # the start of the request's trace (deployments/tracing.py)
+    request.state.arrival = time.time()  # the start of the request's trace (deployments/ingress/tracing.py)
     path, refusal = auth.route_path(request.scope), None
     if not auth.is_open(path):
         try:
@@ -65,7 +65,7 @@ async def limit_and_count(request: Request, call_next):
                             else len(await request.body()) > limit):
         refusal = error_response(413, f"the request body exceeds {limit} bytes", None, "body_too_large")
     if refusal is None and (limiter := getattr(request.app.state, "rate_limits", None)) is not None:
-        refusal = await limiter.refusal(request, path)  # 429 past the key's limits: deployments/rate_limits.py
+        refusal = await limiter.refusal(request, path)  # 429 past the key's limits: deployments/ingress/rate_limits.py
     if refusal is not None:
         response = anthropic.from_openai_error(refusal) if anthropic.is_route(path) else refusal
     else:

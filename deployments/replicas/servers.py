@@ -2,8 +2,8 @@
 
 Each replica owns one AsyncEngine. ``max_ongoing_requests`` is set high (AppArgs) so that
 the engine's own priority scheduler, not Ray Serve's FIFO routing, orders the requests.
-Each reports its load (``load``) to the request routers (deployments/routing.py) and to the
-autoscaler (deployments/autoscaling.py): P its queued prompt tokens, D and colocated their
+Each reports its load (``load``) to the request routers (deployments/pd/routing.py) and to the
+autoscaler (deployments/replicas/autoscaling.py): P its queued prompt tokens, D and colocated their
 requests and KV usage.
 """
 
@@ -17,15 +17,15 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from deployments.disaggregation import DecodeLoad
-from deployments.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
+from deployments.pd.disaggregation import DecodeLoad
+from deployments.pd.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.failures import PrefixLost, ReplicaGone
-from deployments.liveness import Accepted, Heartbeat, heartbeats, replica_id
-from deployments.load_meter import LoadMeter
-from deployments.output_channels import ChannelSender
-from deployments.lora_store import LoraCache
-from deployments.routing import STATS_PERIOD_S, EngineRouter
-from deployments.tracing import KVTransfer
+from deployments.replicas.liveness import Accepted, Heartbeat, heartbeats, replica_id
+from deployments.replicas.load_meter import LoadMeter
+from deployments.replicas.output_channels import ChannelSender
+from deployments.replicas.lora_store import LoraCache
+from deployments.pd.routing import STATS_PERIOD_S, EngineRouter
+from deployments.ingress.tracing import KVTransfer
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.model_info import ModelInfo
@@ -40,7 +40,7 @@ class _EngineServer:
         """``lora_store``: the app's LoraStore, where this replica fetches adapters it lacks."""
         self.engine = AsyncEngine(engine_config)
         self.loras = LoraCache(lora_store, max_loras)
-        self.meter = LoadMeter()  # tokens sent, prompts asked for, time per token (deployments/load_meter.py)
+        self.meter = LoadMeter()  # tokens sent, prompts asked for, time per token (deployments/replicas/load_meter.py)
 
     def info(self) -> ModelInfo:
         inner = self.engine.engine
@@ -71,7 +71,7 @@ class _EngineServer:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """``load``, the rates since the last call and the recent time per token (LoadMeter): the
-        rate-matched policies' inputs (deployments/autoscaling.py)."""
+        rate-matched policies' inputs (deployments/replicas/autoscaling.py)."""
         return {**self.load(), **self.meter.rates(self.engine.stats().prompt_tokens_computed),
                 "token_ms": self.meter.token_ms()}
 
@@ -99,7 +99,7 @@ class _StreamingServer(_EngineServer):
                  step_timeout_s: float) -> None:
         super().__init__(engine_config, lora_store, max_loras)
         self.heartbeat_s, self.step_timeout_s = heartbeat_s, step_timeout_s
-        self.channels = ChannelSender(self.engine.close_stream)  # deployments/output_channels.py
+        self.channels = ChannelSender(self.engine.close_stream)  # deployments/replicas/output_channels.py
 
     def responsive(self) -> bool:
         """The engine thread runs and the step it is in (if any) has not run past the bound."""
@@ -114,7 +114,7 @@ class _StreamingServer(_EngineServer):
 
     async def _streamed(self, items: AsyncIterator, pinned: str | None = None) -> AsyncIterator:
         """A stream's items after ``Accepted``, with heartbeats while it has nothing to send
-        (deployments/liveness.py). A call ``pinned`` to another replica (the one that holds the
+        (deployments/replicas/liveness.py). A call ``pinned`` to another replica (the one that holds the
         request's prefix died, and Serve routed it elsewhere) fails as a replica failure."""
         if pinned is not None and pinned != replica_id():
             raise PrefixLost("the decode replica holding this request's prefix is gone")
@@ -125,7 +125,7 @@ class _StreamingServer(_EngineServer):
     async def generate(self, request: GenerationRequest, pinned: str | None = None
                        ) -> AsyncIterator[Accepted | Heartbeat | list[RequestOutput]]:
         """The whole request in this engine: colocated, or D prefilling locally (``pinned`` to
-        the D replica whose prefix hold it uses, deployments/routing.py). Outputs go in batches,
+        the D replica whose prefix hold it uses, deployments/pd/routing.py). Outputs go in batches,
         every output made since the last item (AsyncEngine.generate_batches): one Ray Serve item
         per wake-up of this replica's loop, not one per token."""
         lora = await self.loras.adapter(request.lora)
@@ -134,7 +134,7 @@ class _StreamingServer(_EngineServer):
 
     async def submit(self, request: GenerationRequest, channel: str) -> Accepted:
         """Start the whole request in this engine, its outputs going to the ingress's ``channel``
-        (deployments/output_channels.py); ``Accepted`` once it is queued, its error (a bad request)
+        (deployments/replicas/output_channels.py); ``Accepted`` once it is queued, its error (a bad request)
         at once."""
         lora = await self.loras.adapter(request.lora)
         self.channels.start(channel, request.request_id, self._metered(self.engine.open_batches(request, lora)))
@@ -156,7 +156,7 @@ class _StreamingServer(_EngineServer):
 
     def abort(self, channel: str, request_id: str, pinned: str | None = None) -> None:
         """The ingress stopped reading ``request_id`` (its client left): end it here. ``pinned``:
-        this replica, for the router (deployments/routing.py)."""
+        this replica, for the router (deployments/pd/routing.py)."""
         self.channels.abort(channel, request_id)
 
     def open_channels(self) -> int:
@@ -187,7 +187,7 @@ class PrefillServer(_StreamingServer):
                       ) -> AsyncIterator[Accepted | Heartbeat | PrefillReply | Any]:
         """``Accepted``, heartbeats while the prompt waits or runs (a stalled P is seen as D is),
         then P's reply and, unless the first token ended every choice, the prompt's KV from token
-        ``kv_export_start`` on (D holds the ones before; the connector's items: deployments/kv_connector.py)."""
+        ``kv_export_start`` on (D holds the ones before; the connector's items: deployments/pd/kv_connector.py)."""
         async for item in self._streamed(self._prefilled(request, kv_export_start)):
             yield item
 
@@ -237,7 +237,7 @@ class DecodeServer(_StreamingServer):
     async def plan(self, request: GenerationRequest) -> DecodePlan:
         """How much of the request's prompt this replica's prefix cache holds, held for the
         request (engine/prefix_holds.py), and its KV usage: the ingress decides from them where
-        the prompt is computed (deployments/disaggregation.py)."""
+        the prompt is computed (deployments/pd/disaggregation.py)."""
         lora = await self.loras.adapter(request.lora)
         cached = await self.engine.hold_prefix(request, lora, self.hold_s)
         stats = self.engine.stats()
@@ -269,7 +269,7 @@ class DecodeServer(_StreamingServer):
 
     def answering(self, pinned: str | None = None) -> DecodeAnswer | None:
         """This replica's id and KV fetches while it can serve (``responsive``), else None: the
-        ingress's probe of D (deployments/decode_watch.py), ``pinned`` to the replica it asks."""
+        ingress's probe of D (deployments/pd/decode_watch.py), ``pinned`` to the replica it asks."""
         return DecodeAnswer(replica_id(), self.kv.transfer_health()) if self.responsive() else None
 
     def hang_next_fetch(self, seconds: float) -> None:

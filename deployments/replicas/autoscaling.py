@@ -1,6 +1,6 @@
 """P and D scale on their own signals (Ray Serve custom autoscaling policies).
 
-Each replica reports its load (``record_autoscaling_stats``, deployments/servers.py): P its
+Each replica reports its load (``record_autoscaling_stats``, deployments/replicas/servers.py): P its
 prompt tokens still to compute, D the requests it runs or queues and the fraction of its KV blocks
 held. The policies turn the deployment's totals into a replica count; Ray Serve applies the
 ``autoscaling_config``'s min/max replicas and up/down-scale delays around them. In a serve config:
@@ -9,7 +9,7 @@ held. The policies turn the deployment's totals into a replica count; Ray Serve 
       min_replicas: 1
       max_replicas: 4
       policy:
-        policy_function: deployments.autoscaling:PrefillScaling
+        policy_function: deployments.replicas.autoscaling:PrefillScaling
         policy_kwargs: {target_queued_prompt_tokens: 4096}
 
 ``configs/pd-autoscale.yaml`` sets both; ``pdserve-loadtest --sample-replicas`` reports the P:D
@@ -18,7 +18,7 @@ replica ratio over a run.
 ``PrefillRateScaling`` and ``DecodeRateScaling`` size P and D from the rates the replicas measure
 (prompt tokens computed, prompts asked for, output tokens sent per second: LoadMeter, deployments/
 load_meter.py) against the app's TTFT and TPOT targets, as Dynamo's planner in SLA mode does: the
-math is deployments/pd_planner.py, these are its Serve wrappers.
+math is deployments/pd/pd_planner.py, these are its Serve wrappers.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import math
 
 from ray.serve.config import AutoscalingContext
 
-from deployments import pd_planner
+from deployments.pd import pd_planner
 
 
 def _total(ctx: AutoscalingContext, name: str) -> float | None:

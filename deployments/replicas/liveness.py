@@ -6,10 +6,10 @@ waiting behind higher priorities, so the replica says it is alive instead: while
 nothing to send, the server yields a ``Heartbeat`` every ``heartbeat_s`` as long as its engine
 thread runs (``heartbeats``). The ingress reads the stream through ``watched``: no item at all for
 ``stall_timeout_s`` (AppArgs) raises ``ReplicaStalled``, a replica failure, and the request
-migrates (deployments/migration.py).
+migrates (deployments/ingress/migration.py).
 
 The ingress also marks the replica, and the engine deployments' Serve request router
-(deployments/routing.py, which runs in the ingress's process) gives it no new request for ``AVOID_S``
+(deployments/pd/routing.py, which runs in the ingress's process) gives it no new request for ``AVOID_S``
 unless it is the only one left: without that, Serve's router, which sees only queue lengths, may send the
 migrated request straight back to the stopped replica. A replica whose stream fails because it died
 or cannot be reached is marked the same way: Serve's router keeps it until its controller notices,
@@ -99,7 +99,7 @@ async def taken_then_watched(items: AsyncIterator, stall_timeout_s: float, route
     """A call's items after its ``Accepted``, ``watched``; the call not taken within ``stall_timeout_s``
     (its replica is stopped before it could say so) raises ReplicaStalled and marks the replica its
     router chose for it (``routed_to()``, None if unknown). For P, whose calls Serve's router does
-    not queue past the ingress's admission bound (deployments/admission.py), so a call not taken
+    not queue past the ingress's admission bound (deployments/ingress/admission.py), so a call not taken
     at once is a stall, not a queue."""
     try:
         async with asyncio.timeout(stall_timeout_s):

@@ -3,7 +3,7 @@
     <batch_dir>/<app>/pdserve.sqlite3    files, batches, and each batch's lines with their results
     <batch_dir>/<app>/files/<file id>    the bytes of each file (inputs uploaded, outputs written)
 
-(<app>: the Serve application's name; deployments/batch_routes.py opens the store there.)
+(<app>: the Serve application's name; deployments/ingress/batch_routes.py opens the store there.)
 
 Every change is one SQLite transaction, so a restart of the ingress (or of the whole app) reads
 back exactly what was committed: a batch's lines and, for each, whether it was answered and how.

@@ -1,13 +1,13 @@
 """Whether any D replica can answer: PD's degradation to P-only decoding (docs/serving.md, "No decode replica").
 
 A D replica that is dead, SIGSTOPped or stuck in one engine step takes calls it never serves, and a
-stream watch (deployments/liveness.py) only sees it through a request that waits on it. So the ingress
+stream watch (deployments/replicas/liveness.py) only sees it through a request that waits on it. So the ingress
 asks every D replica itself, every ``heartbeat_s``: ``DecodeServer.answering``, pinned to that
 replica, which answers with its id while its engine thread runs and no step has run past the step
 watchdog. A replica answers or not; a probe left unanswered is not sent again until it returns (a
 stopped replica collects no pile of probes). A replica is *answering* while its last answer is younger
 than ``stall_timeout_s``; one new to the ingress has that long to give its first. When none is (every
-replica silent, dead, or none running), D is *down*: the PD backend (deployments/backends.py) then
+replica silent, dead, or none running), D is *down*: the PD backend (deployments/pd/backends.py) then
 runs new requests on P as a colocated engine, moves the ones waiting for a D there, and goes back to
 P then D as soon as one replica answers again.
 
@@ -16,7 +16,7 @@ failed by cause: KVConnector.transfer_health): ``transfers`` sums them over the 
 answer, for /metrics and /health.
 
 Probes go through the D deployment's own handle and request router (the ``pinned`` keyword,
-deployments/routing.py): the replicas probed are the ones Serve tells this process's router of.
+deployments/pd/routing.py): the replicas probed are the ones Serve tells this process's router of.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections import Counter
 
 from ray.serve.handle import DeploymentHandle
 
-from deployments import routing
+from deployments.pd import routing
 
 DEPLOYMENT = "DecodeServer"
 

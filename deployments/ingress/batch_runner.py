@@ -1,7 +1,7 @@
 """Drains the Batch API's batches through the serving path, below interactive work.
 
 Each ingress replica runs one ``BatchRunner``. Every ``poll_s`` it claims the unfinished batches
-whose lease is its own or has run out (deployments/batch_store.py) and drives each:
+whose lease is its own or has run out (deployments/ingress/batch_store.py) and drives each:
 
     validating   read the input file, check every line (dialects/batches_api.py): all good, the
                  lines are stored and the batch is in_progress; one bad, failed with the errors
@@ -29,7 +29,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from deployments.batch_store import COMPLETED, FAILED, BatchStore
+from deployments.ingress.batch_store import COMPLETED, FAILED, BatchStore
 from dialects.batches_api import check_lines, output_line, unanswered_line
 from dialects.files_api import OUTPUT_PURPOSE, file_object
 

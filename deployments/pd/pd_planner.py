@@ -1,7 +1,7 @@
 """Rate-matched P:D: how many P and D replicas the measured rates need to meet the SLO targets.
 
 The math of Dynamo's planner in SLA mode (its "throughput-based scaling"), with DistServe's
-queueing model for P, pure functions over numbers: the Serve policies (deployments/autoscaling.py)
+queueing model for P, pure functions over numbers: the Serve policies (deployments/replicas/autoscaling.py)
 and the trace replay (benchmarks/pd_planner.py) call them.
 
 - **P.** A P replica computes one prompt's tokens after another's at ``prefill_ms_per_token``

@@ -1,17 +1,17 @@
 """What an engine replica measures of its own pace, for PD's policy and the rate-matched autoscaler.
 
-A replica counts, where it serves its streams (deployments/servers.py), the tokens it sends and
+A replica counts, where it serves its streams (deployments/replicas/servers.py), the tokens it sends and
 the time between two batches of one stream; P also counts the prompts it is asked to compute.
 From them:
 
 - ``token_ms``: the recent time between two tokens of a stream, averaged over the streams'
   batches of the last ``TOKEN_WINDOW_S`` (a batch holding k steps of a choice counts as k gaps):
   D's time per output token as its clients see it, what a local prefill would delay
-  (deployments/disaggregation.py). 0 when no stream sent two batches in the window;
+  (deployments/pd/disaggregation.py). 0 when no stream sent two batches in the window;
 - ``rates(prompt_tokens_computed)``: per second since the previous call, the prompt tokens the
   engine computed, the prompts asked for and the tokens sent. Ray Serve calls
   ``record_autoscaling_stats`` every ``metrics_interval_s`` and averages what it reports over its
-  look-back period (deployments/autoscaling.py).
+  look-back period (deployments/replicas/autoscaling.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The Files and Batch APIs' routes (/v1/files, /v1/batches) and what serves them in each ingress
-replica: the store (deployments/batch_store.py), the runner draining batches
-(deployments/batch_runner.py) and the per-key rate limiter (deployments/rate_limits.py).
+replica: the store (deployments/ingress/batch_store.py), the runner draining batches
+(deployments/ingress/batch_runner.py) and the per-key rate limiter (deployments/ingress/rate_limits.py).
 
 ``serve_batches`` sets them up in the ingress replica and starts the runner; the routes reach
 them through ``request.app.state`` (they are plain FastAPI routes of the ingress's app, not methods
 of the Ingress). The app it is given is the one the replica serves: Serve ships the ingress class
-with a copy of the module's app, so ``deployments.http_app.app`` imported in the replica is
+with a copy of the module's app, so ``deployments.ingress.http_app.app`` imported in the replica is
 another object, whose state no route reads. Shapes and checks are the dialect's (dialects/files_api.py, dialects/batches_api.py).
 """
 
@@ -23,12 +23,12 @@ from fastapi.responses import Response
 import httpx
 from ray import serve
 
-from deployments.batch_runner import BatchRunner
-from deployments.batch_store import BatchStore
+from deployments.ingress.batch_runner import BatchRunner
+from deployments.ingress.batch_store import BatchStore
 from deployments.config import AppArgs
-from deployments.http_app import app as module_app
-from deployments.metrics import IngressMetrics
-from deployments.rate_limits import RateLimiter
+from deployments.ingress.http_app import app as module_app
+from deployments.ingress.metrics import IngressMetrics
+from deployments.ingress.rate_limits import RateLimiter
 from dialects import batches_api, files_api
 from dialects.batches_api import CreateBatchRequest
 from dialects.errors import APIError, documented
@@ -169,7 +169,7 @@ async def create_batch(request: Request, body: CreateBatchRequest):
     if input_file["purpose"] != "batch":
         raise APIError(400, f"input_file_id: {body.input_file_id!r} has purpose {input_file['purpose']!r}; a batch "
                        "reads a file uploaded with purpose=batch", "input_file_id", "invalid_value")
-    # the key whose budget its lines use: the one the request came with (deployments/rate_limits.py)
+    # the key whose budget its lines use: the one the request came with (deployments/ingress/rate_limits.py)
     return batches.store.add_batch(batches_api.new_batch(body), request.state.rate_key)
 
 

@@ -29,10 +29,10 @@ decoding sequence's next token by its own time (DistServe's prefill-decode inter
 holding 80% of its KV or more also keeps the long rests of ``prefill_busy`` off it.
 
 - ``no_decode_replica`` (counted under where ``prefill_only``): no D replica answers
-  (deployments/decode_watch.py): P computes the prompt and decodes it too, as a colocated engine.
+  (deployments/pd/decode_watch.py): P computes the prompt and decodes it too, as a colocated engine.
 
 A failure never changes the decision: a request whose P or D fails migrates
-(deployments/migration.py) and is decided again there.
+(deployments/ingress/migration.py) and is decided again there.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class DecodeLoad:
-    """What a D replica's plan says of its load (``DecodePlan``, deployments/servers.py)."""
+    """What a D replica's plan says of its load (``DecodePlan``, deployments/replicas/servers.py)."""
 
     kv_usage: float = 0.0  # the fraction of its KV blocks held
     waiting: int = 0  # requests queued in its engine

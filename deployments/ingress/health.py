@@ -12,7 +12,7 @@ each deployment that is missing, pending or failing, and why, from Ray Serve's o
 is polled, canaries run at most once per ``FRESH_S`` while they succeed.
 
 In PD, while no D replica can answer (dead in the registry, or silent to the ingress's probes for
-``stall_timeout_s``: deployments/decode_watch.py), the app serves on P alone (``pd_degrade_to_prefill``):
+``stall_timeout_s``: deployments/pd/decode_watch.py), the app serves on P alone (``pd_degrade_to_prefill``):
 ``/health`` is then 200 with ``"status": "degraded"`` and the reason, its canary through P alone; with
 degradation off, 503 naming D. A D replica whose KV fetch runs past its deadline (a stuck transfer
 path, as the probes report it) is a 503 naming D too.
@@ -29,8 +29,8 @@ import uuid
 import ray
 from ray import serve
 
-from deployments import routing
-from deployments.backends import PDBackend
+from deployments.pd import routing
+from deployments.pd.backends import PDBackend
 from deployments.failures import REPLICA_FAILURES, root_cause
 from engine.request import PRIORITY_MIN, GenerationRequest
 from sampling.params import SamplingParams

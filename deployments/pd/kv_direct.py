@@ -38,8 +38,8 @@ import uuid
 import numpy as np
 
 from deployments.failures import KVLeaseExpired
-from deployments.kv_connector import KVConnector, PrefillReply
-from deployments.tracing import KVTransfer
+from deployments.pd.kv_connector import KVConnector, PrefillReply
+from deployments.ingress.tracing import KVTransfer
 from engine.kv_transfer import KVPayload
 from engine.outputs import RequestOutput
 

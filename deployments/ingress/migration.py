@@ -26,7 +26,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from deployments.failures import REPLICA_RETRY_AFTER_S, replica_failed, root_cause
-from deployments.streams import indexed
+from deployments.ingress.streams import indexed
 from dialects.errors import APIError
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest

@@ -1,5 +1,5 @@
 """The engine client on Ray Serve: dialects/engine_client.py's seam, implemented. One per ingress
-replica; it holds the backend (colocated, or P then D: deployments/backends.py), and every request
+replica; it holds the backend (colocated, or P then D: deployments/pd/backends.py), and every request
 goes through admission (admission.py), migration (migration.py) and its trace (tracing.py) here,
 so that a dialect sees outputs and APIErrors, never Ray.
 """
@@ -12,12 +12,12 @@ import uuid
 
 from transformers import AutoTokenizer
 
-from deployments.admission import Admission, Overloaded, admitted
+from deployments.ingress.admission import Admission, Overloaded, admitted
 from deployments.failures import client_error
-from deployments.health import describe
-from deployments.migration import migrating
-from deployments.streams import indexed, prepend_first
-from deployments.tracing import RequestTrace, traced
+from deployments.ingress.health import describe
+from deployments.ingress.migration import migrating
+from deployments.ingress.streams import indexed, prepend_first
+from deployments.ingress.tracing import RequestTrace, traced
 from dialects.engine_client import Origin, ServedSettings
 from dialects.errors import APIError
 from engine.lora_adapter import LoraAdapter, LoraRef, ModelShape
@@ -127,7 +127,7 @@ class ServeEngineClient:
 
         try:
             ticket = self.admission.admit(request)
-        except Overloaded as error:  # at once, never a wait: deployments/admission.py
+        except Overloaded as error:  # at once, never a wait: deployments/ingress/admission.py
             raise APIError(503, str(error), code="overloaded", retry_after=error.retry_after) from None
         resilient = migrating(lambda r: self.backend.stream(r, trace), request, self.max_migrations, on_migrate)
         stream = self.meter(admitted(traced(resilient, trace, self.end_trace), ticket), origin.key_name, request)

@@ -1,15 +1,15 @@
 """The HTTP ingress: binds each route to its dialect, and does admission, tracing and auth.
 
-One FastAPI app behind ``@serve.ingress``; it holds the engine client (deployments/engine_client.py:
-the engine deployments through deployments/backends.py, admission, migration and traces) and never
+One FastAPI app behind ``@serve.ingress``; it holds the engine client (deployments/ingress/engine_client.py:
+the engine deployments through deployments/pd/backends.py, admission, migration and traces) and never
 runs a model itself. Each route's body is its dialect's (dialects/: MindIE's /infer_token in
 dialects/mindie_serving.py; the OpenAI-compatible /v1 API, OpenAI's Responses and Anthropic's
 Messages in dialects/openai_serving.py), which calls the engine client through its seam
 (dialects/engine_client.py) and never sees Ray.
 
 Its routes: the generation dialects, and the operations routes (/health, models, the schema, the
-page, traces, metrics), whose answers are deployments/operation_routes.py's; the FastAPI app with
-its error handlers and middleware in deployments/http_app.py.
+page, traces, metrics), whose answers are deployments/ingress/operation_routes.py's; the FastAPI app with
+its error handlers and middleware in deployments/ingress/http_app.py.
 """
 
 import asyncio
@@ -18,18 +18,18 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse
 from ray import serve
 
-from deployments import routing
-from deployments.admission import Admission
-from deployments.backends import ColocatedBackend, PDBackend
-from deployments.batch_routes import serve_batches
+from deployments.pd import routing
+from deployments.ingress.admission import Admission
+from deployments.pd.backends import ColocatedBackend, PDBackend
+from deployments.ingress.batch_routes import serve_batches
 from deployments.config import AppArgs
-from deployments.engine_client import ServeEngineClient
-from deployments.health import Readiness
-from deployments.kv_connector import make_kv_connector
-from deployments.http_app import GENERATION, app
-from deployments.metrics import IngressMetrics
-from deployments import operation_routes as operations
-from deployments.tracing import RecentTraces, RequestTrace, SpanWriter, log_line
+from deployments.ingress.engine_client import ServeEngineClient
+from deployments.ingress.health import Readiness
+from deployments.pd.kv_connector import make_kv_connector
+from deployments.ingress.http_app import GENERATION, app
+from deployments.ingress.metrics import IngressMetrics
+from deployments.ingress import operation_routes as operations
+from deployments.ingress.tracing import RecentTraces, RequestTrace, SpanWriter, log_line
 from dialects import anthropic, mindie, responses
 from dialects.anthropic_schema import CountTokensRequest, MessagesRequest
 from dialects.engine_client import Origin, ServedSettings
@@ -61,7 +61,7 @@ def origin(http: Request, dialect: str, priority: int) -> Origin:
 @serve.ingress(app)
 class Ingress:
     def __init__(self, args: AppArgs, lora_store=None, llm=None, prefill=None, decode=None, embedder=None) -> None:
-        """``lora_store``: the app's LoraStore (deployments/lora_store.py); None serves no adapters."""
+        """``lora_store``: the app's LoraStore (deployments/replicas/lora_store.py); None serves no adapters."""
         self.args = args
         self.backend = (ColocatedBackend(llm, args.stall_timeout_s) if llm is not None
                         else PDBackend(prefill, decode, args.kv_lease_s, args.stall_timeout_s, args.disaggregation,
@@ -144,13 +144,13 @@ class Ingress:
     async def detokenize(self, body: DetokenizeRequest):
         return tokenize_api.detokenize(await self.openai.frontend(), body)
 
-    # ---- operations: the answers are deployments/operation_routes.py's ------------------
+    # ---- operations: the answers are deployments/ingress/operation_routes.py's ------------------
 
     @app.get("/health", responses={503: {"description": "not ready: which deployment, and why"}})
     async def health(self):
         """200 once a canary request went through every engine deployment (P, the KV hand-off
         and D; or the colocated engine) within the last seconds; else 503 naming each deployment
-        that is missing, pending or failing (deployments/health.py)."""
+        that is missing, pending or failing (deployments/ingress/health.py)."""
         return await operations.health(self.readiness)
 
     @app.get("/v1/models", responses=documented(503))

@@ -1,8 +1,8 @@
 """The stream plumbing of the ingress, one place for it: a Ray Serve call's items cancelled when
 their reader leaves (``cancel_on_exit``), several streams interleaved (``merge``, ``indexed``), a
 stream with its first output put back (``prepend_first``). Used by the backends, migration and the
-engine client (deployments/backends.py, migration.py, engine_client.py); the heartbeat watch that a
-replica's stream is still alive is deployments/liveness.py's.
+engine client (deployments/pd/backends.py, migration.py, engine_client.py); the heartbeat watch that a
+replica's stream is still alive is deployments/replicas/liveness.py's.
 """
 
 from __future__ import annotations

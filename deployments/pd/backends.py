@@ -3,8 +3,8 @@
 Both yield the engine's RequestOutputs, one per step per choice, as the engine made them, so
 every layer above (migration, the dialects' writers) sees what it saw. The colocated engine sends
 them on one channel per replica to this ingress, a step's outputs of all its requests in one item
-(deployments/output_channels.py). P's and D's calls stream per request: an engine server sends
-every output since its last item in one batch (deployments/servers.py), and ``_served`` unpacks
+(deployments/replicas/output_channels.py). P's and D's calls stream per request: an engine server sends
+every output since its last item in one batch (deployments/replicas/servers.py), and ``_served`` unpacks
 them in order. When the caller stops iterating (a client went away), the request is aborted in
 its replica (the call in flight cancelled, or the channel told), which frees its blocks.
 """
@@ -19,24 +19,24 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from ray.serve.handle import DeploymentHandle
 
-from deployments import routing
-from deployments.decode_watch import DecodeWatch
-from deployments.disaggregation import NO_DECODE_REPLICA, NO_PLAN, Decision, DisaggregationPolicy
+from deployments.pd import routing
+from deployments.pd.decode_watch import DecodeWatch
+from deployments.pd.disaggregation import NO_DECODE_REPLICA, NO_PLAN, Decision, DisaggregationPolicy
 from deployments.failures import DecodeDown, KVLeaseExpired, NoDecodeReplica
-from deployments.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
-from deployments.liveness import taken_then_watched, watched
-from deployments.output_channels import ChannelReceiver
-from deployments.streams import cancel_all, cancel_on_exit
-from deployments.tracing import KVTransfer, RequestTrace
+from deployments.pd.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
+from deployments.replicas.liveness import taken_then_watched, watched
+from deployments.replicas.output_channels import ChannelReceiver
+from deployments.ingress.streams import cancel_all, cancel_on_exit
+from deployments.ingress.tracing import KVTransfer, RequestTrace
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
 
 
 class ColocatedBackend:
     """One engine deployment serving each request whole. Each request is submitted to a replica
-    (routed as deployments/routing.py says) and its outputs come back on that replica's channel
+    (routed as deployments/pd/routing.py says) and its outputs come back on that replica's channel
     to this ingress, which carries every request's outputs of a step in one item
-    (deployments/output_channels.py). Requests and outputs are plain data: they go by value over
+    (deployments/replicas/output_channels.py). Requests and outputs are plain data: they go by value over
     Ray Serve's replica-to-replica gRPC channel, not as Ray actor tasks (docs/serving.md)."""
 
     def __init__(self, llm: DeploymentHandle, stall_timeout_s: float) -> None:
@@ -58,22 +58,22 @@ class PDBackend:
     """The ingress orchestrates P and D for each request (docs/serving.md, "Prefix-aware PD"):
 
     1. unless the prompt is short, or no D replica was sent any of it (the router's index), a D
-       replica (routed by prefix affinity and load, deployments/routing.py) says how much of the
+       replica (routed by prefix affinity and load, deployments/pd/routing.py) says how much of the
        prompt its prefix cache holds, and keeps it for the request (``plan``);
-    2. the policy (deployments/disaggregation.py) decides where the rest is computed;
+    2. the policy (deployments/pd/disaggregation.py) decides where the rest is computed;
     3. local: D runs the whole request (``generate``), pinned to the replica that answered;
     4. remote: P runs the prompt and returns each choice's first token at once, with the KV of
        the tokens D lacks; the ingress hands the first tokens to the client, then calls D,
        pinned, with P's reply. The KV goes from P to D through the KV connector
-       (deployments/kv_connector.py): only its handle passes through here.
+       (deployments/pd/kv_connector.py): only its handle passes through here.
 
     The ingress owns the KV from P's reply until a D replica takes the request, so it outlives P's
     replica. A D replica must take the request within ``kv_lease_s``; one that does not (stalled,
     or never reached) has its call cancelled and the request fails with ``KVLeaseExpired``, a
-    replica failure: deployments/migration.py prefills it again. One that stops once it has taken
+    replica failure: deployments/ingress/migration.py prefills it again. One that stops once it has taken
     the request fails it with ``ReplicaStalled`` after ``stall_timeout_s`` (liveness.py).
 
-    While no D replica can answer (``DecodeWatch``, deployments/decode_watch.py), P serves new
+    While no D replica can answer (``DecodeWatch``, deployments/pd/decode_watch.py), P serves new
     requests whole, as a colocated engine, and a request waiting for a D to take its KV fails with
     ``DecodeDown`` (a replica failure: it moves to P); with ``degrade_to_prefill`` off, new requests
     fail at once with ``NoDecodeReplica`` (a clean 503) instead."""
@@ -153,7 +153,7 @@ class PDBackend:
     async def prefill_step(self, request: GenerationRequest, kv_export_start: int = 0) -> PrefillReply:
         """P's reply, with the handle to its KV (owned here) from token ``kv_export_start`` on,
         when D is to go on. ReplicaStalled if P does not take the call, or stops sending heartbeats,
-        for ``stall_timeout_s``: the request is prefilled again elsewhere (deployments/migration.py)."""
+        for ``stall_timeout_s``: the request is prefilled again elsewhere (deployments/ingress/migration.py)."""
         tokens = request.num_context_tokens - kv_export_start
         self.prefill_tokens_in_flight += tokens
         call = self.prefill.options(stream=True).prefill.remote(request, kv_export_start)
