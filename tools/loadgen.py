@@ -6,7 +6,6 @@ from dataclasses import dataclass
 import json
 from pathlib import Path
 import random
-from typing import Iterator
 
 WORDS = ("the model serves tokens while prefill and decode share nothing but the cache of keys and values "
          "priority one overtakes priority five when the queue is long enough to matter").split()
@@ -45,6 +44,11 @@ def parse_priority_mix(spec: str | None) -> list[tuple[int, float]]:
     return [(p, w / total) for p, w in pairs]
 
 
+def draw_priority(rng: random.Random, mix: list[tuple[int, float]]) -> int:
+    """One request's priority, drawn from a parsed ``mix``."""
+    return rng.choices([p for p, _ in mix], [w for _, w in mix])[0]
+
+
 def workloads(num: int, input_len: str, output_len: str, seed: int, priority_mix: str | None,
               token_range: tuple[int, int], dataset: Path | None = None, warmup: int = 0) -> list[Work]:
     """``warmup`` + ``num`` requests: random token ids (and as many words) of the asked lengths,
@@ -56,7 +60,7 @@ def workloads(num: int, input_len: str, output_len: str, seed: int, priority_mix
     out_low, out_high = parse_length(output_len)
     work = []
     for i in range(warmup + num):
-        priority = rng.choices([p for p, _ in mix], [w for _, w in mix])[0]
+        priority = draw_priority(rng, mix)
         if records:
             record = records[i % len(records)]
             ids = record.get("input_ids") or [rng.randrange(*token_range) for _ in range(len(record["prompt"].split()))]
@@ -71,9 +75,12 @@ def workloads(num: int, input_len: str, output_len: str, seed: int, priority_mix
     return work
 
 
-def arrival_gaps(rate: float, burstiness: float, seed: int) -> Iterator[float]:
-    """Seconds between arrivals: gamma(shape=burstiness, mean 1/rate); burstiness 1 is Poisson.
-    An infinite rate sends everything at once."""
+def arrival_offsets(rate: float, burstiness: float, seed: int, count: int) -> list[float]:
+    """Seconds from the first arrival to each of ``count``: gaps drawn from gamma(shape=burstiness,
+    mean 1/rate); burstiness 1 is Poisson. An infinite rate sends everything at once."""
     rng = random.Random(seed + 1)
-    while True:
-        yield 0.0 if rate == float("inf") else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    offsets, now = [], 0.0
+    for _ in range(count):
+        offsets.append(now)
+        now += 0.0 if rate == float("inf") else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return offsets
