@@ -2,10 +2,16 @@
 against a live app whose engines must see the trace's shared prefixes as prefix-cache hits."""
 
 import json
+import os
 from pathlib import Path
+import shutil
+import subprocess
+import sys
 
+import httpx
 import pytest
 
+from engine.execution.tiny_model import ensure_tiny_model
 from tests.serving import openai_apps
 from tools.clients import Result
 from tools.loadgen import Work
@@ -178,3 +184,36 @@ def test_a_trace_without_reuse_gets_no_prefix_hits_from_it(colocated_url, tmp_pa
     result = json.loads(out.read_text())                                         # of the other tests' replays
     assert result["completed"] == 24 and result["trace"]["block_reuse"] == 0.0
     assert result["prefix_cache"]["prefix_hit_rate"] == 0.0
+
+
+def hub_cache_with_tiny_llama(root: Path) -> Path:
+    """A Hugging Face hub cache under ``root`` holding tiny-llama's tokenizer as the repo
+    "pdserve/tiny-llama". aiperf 0.13 decodes its prompts in worker processes that force
+    HF_HUB_OFFLINE=1, and offline it reads every --tokenizer as a hub id (a local path fails)."""
+    revision = "0" * 40
+    snapshot = root / "models--pdserve--tiny-llama" / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(ensure_tiny_model() / name, snapshot / name)
+    (root / "models--pdserve--tiny-llama" / "refs").mkdir()
+    (root / "models--pdserve--tiny-llama" / "refs" / "main").write_text(revision)
+    return root
+
+
+def test_aiperf_replays_the_same_trace_unmodified(colocated_url, tmp_path):
+    """aiperf's own Mooncake loader on the same file (its prompts from its tokenizer's text, at the
+    trace's timestamps): every request completes, and the engine finds the trace's shared blocks."""
+    command = [str(Path(sys.executable).parent / "aiperf"), "profile", "--model", "tiny-llama", "--url", colocated_url,
+               "--endpoint-type", "chat", "--streaming", "--input-file", str(TRACES / "multi_turn_small.jsonl"),
+               "--custom-dataset-type", "mooncake_trace", "--isl-block-size", "32", "--fixed-schedule",
+               "--tokenizer", "pdserve/tiny-llama", "--extra-inputs", "ignore_eos:true",
+               "--output-artifact-dir", str(tmp_path / "aiperf"), "--no-auto-plot", "--random-seed", "1"]
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache_with_tiny_llama(tmp_path / "hub")), "HF_HUB_OFFLINE": "1"}
+    before = prefix_counters(httpx.get(f"{colocated_url}/metrics", timeout=30).text)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    after = prefix_counters(httpx.get(f"{colocated_url}/metrics", timeout=30).text)
+    report = json.loads((tmp_path / "aiperf" / "profile_export_aiperf.json").read_text())
+    assert report["error_summary"] == [] and report["completed_request_count"]["avg"] == 24
+    assert report["time_to_first_token"]["count"] == 24
+    assert prefix_hit_report(before, after)["prefix_hit_rate"] > 0.5
