@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 import json
 from pathlib import Path
 import random
+from typing import Iterator
 
 WORDS = ("the model serves tokens while prefill and decode share nothing but the cache of keys and values "
          "priority one overtakes priority five when the queue is long enough to matter").split()
@@ -75,12 +77,15 @@ def workloads(num: int, input_len: str, output_len: str, seed: int, priority_mix
     return work
 
 
-def arrival_offsets(rate: float, burstiness: float, seed: int, count: int) -> list[float]:
-    """Seconds from the first arrival to each of ``count``: gaps drawn from gamma(shape=burstiness,
-    mean 1/rate); burstiness 1 is Poisson. An infinite rate sends everything at once."""
+def arrival_gaps(rate: float, burstiness: float, seed: int) -> Iterator[float]:
+    """Seconds between arrivals: gamma(shape=burstiness, mean 1/rate); burstiness 1 is Poisson.
+    An infinite rate sends everything at once."""
     rng = random.Random(seed + 1)
-    offsets, now = [], 0.0
-    for _ in range(count):
-        offsets.append(now)
-        now += 0.0 if rate == float("inf") else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-    return offsets
+    while True:
+        yield 0.0 if rate == float("inf") else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+def arrival_offsets(rate: float, burstiness: float, seed: int, count: int) -> list[float]:
+    """Seconds from the first of ``count`` arrivals to each, with ``arrival_gaps`` between them."""
+    gaps = arrival_gaps(rate, burstiness, seed)
+    return list(accumulate((next(gaps) for _ in range(count - 1)), initial=0.0))
