@@ -7,7 +7,7 @@ import pytest
 from tests.serving import openai_apps
 from tools.clients import Result
 from tools.goodput import Slo, attainment, goodput, goodput_by_slo, parse_slo_grid
-from tools.loadgen import Work
+from tools.loadgen import Work, arrival_gaps, arrival_offsets
 from tools.loadtest import main as loadtest
 
 VLLM_FIELDS = {"completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms",
@@ -111,3 +111,10 @@ def test_goodput_by_slo_reads_each_pair_across_the_sweep():
 def test_a_bad_slo_grid_is_refused(spec):
     with pytest.raises(SystemExit):
         loadtest(["--slo-grid", spec])
+
+
+def test_arrival_offsets_add_up_the_gaps_from_the_first_arrival():
+    gaps = arrival_gaps(4.0, 0.5, 7)
+    first, second = next(gaps), next(gaps)
+    assert arrival_offsets(4.0, 0.5, 7, 3) == [0.0, first, first + second]
+    assert arrival_offsets(float("inf"), 1.0, 0, 3) == [0.0, 0.0, 0.0]  # all at once

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 import json
 from pathlib import Path
 import random
@@ -45,6 +46,11 @@ def parse_priority_mix(spec: str | None) -> list[tuple[int, float]]:
     return [(p, w / total) for p, w in pairs]
 
 
+def draw_priority(rng: random.Random, mix: list[tuple[int, float]]) -> int:
+    """One request's priority, drawn from a parsed ``mix``."""
+    return rng.choices([p for p, _ in mix], [w for _, w in mix])[0]
+
+
 def workloads(num: int, input_len: str, output_len: str, seed: int, priority_mix: str | None,
               token_range: tuple[int, int], dataset: Path | None = None, warmup: int = 0) -> list[Work]:
     """``warmup`` + ``num`` requests: random token ids (and as many words) of the asked lengths,
@@ -56,7 +62,7 @@ def workloads(num: int, input_len: str, output_len: str, seed: int, priority_mix
     out_low, out_high = parse_length(output_len)
     work = []
     for i in range(warmup + num):
-        priority = rng.choices([p for p, _ in mix], [w for _, w in mix])[0]
+        priority = draw_priority(rng, mix)
         if records:
             record = records[i % len(records)]
             ids = record.get("input_ids") or [rng.randrange(*token_range) for _ in range(len(record["prompt"].split()))]
@@ -77,3 +83,9 @@ def arrival_gaps(rate: float, burstiness: float, seed: int) -> Iterator[float]:
     rng = random.Random(seed + 1)
     while True:
         yield 0.0 if rate == float("inf") else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+def arrival_offsets(rate: float, burstiness: float, seed: int, count: int) -> list[float]:
+    """Seconds from the first of ``count`` arrivals to each, with ``arrival_gaps`` between them."""
+    gaps = arrival_gaps(rate, burstiness, seed)
+    return list(accumulate((next(gaps) for _ in range(count - 1)), initial=0.0))

@@ -15,6 +15,13 @@ With --sweep and --slo-grid it measures goodput as DistServe defines it: each ra
 for every (TTFT, TPOT) pair of the grid, and per pair the highest rate at which >= 90% attain:
 
     pdserve-loadtest --sweep 2,4,8,16 --slo-grid "ttft:1000,2000,4000 tpot:30,50,100" --json sweep.json
+
+With --trace it replays a Mooncake/FAST'25 JSONL trace (tools/trace.py): each request at its
+timestamp (divided by --speedup), its prompt built from its hash ids (blocks of --block-size tokens,
+equal ids equal blocks), its output length the trace's; and it reports the prefix-cache hit rate the
+engines saw (their /metrics before and after) beside the trace's own block reuse:
+
+    pdserve-loadtest --trace multi_turn.jsonl --speedup 2 --goodput ttft:2000 tpot:100 --json replay.json
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import asyncio
 import ipaddress
 import json
 from pathlib import Path
+import random
 import re
 import socket
 import sys
@@ -36,8 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.clients import ENDPOINTS, Result, send  # noqa: E402
 from tools.goodput import attainment, goodput_by_slo, parse_slo_grid, print_goodput_table  # noqa: E402
-from tools.loadgen import Work, arrival_gaps, workloads  # noqa: E402
+from tools.loadgen import Work, arrival_offsets, draw_priority, parse_priority_mix, workloads  # noqa: E402
+from tools.prefix_hits import prefix_hit_report, read_prefix_counters  # noqa: E402
 from tools.stats import parse_goodput, per_priority, summarize  # noqa: E402
+from tools.trace import MOONCAKE_BLOCK_SIZE, block_reuse, read_trace, send_offsets, trace_rate  # noqa: E402
+from tools.trace import trace_workloads  # noqa: E402
 
 
 def check_loopback(base_url: str) -> None:
@@ -51,16 +62,19 @@ def check_loopback(base_url: str) -> None:
         raise SystemExit(f"--base-url: {host} is not a loopback address; pass --allow-remote to load another host")
 
 
-async def run_load(args: argparse.Namespace, work: list[Work], rate: float
-                   ) -> tuple[list[Result], float, list[dict] | None]:
-    """Send ``work``; return the measured (non-warm-up) results, the measured duration and, with
-    --sample-replicas, the replica samples."""
+async def run_load(args: argparse.Namespace, work: list[Work], offsets: list[float]
+                   ) -> tuple[list[Result], float, dict]:
+    """Send ``work``'s warm-up requests, then the others, each ``offsets[i]`` seconds after the first
+    (open loop) or as a client frees up (closed loop). Returns the measured results, the measured
+    duration and what the server showed meanwhile: with --sample-replicas ``replicas``, with --trace
+    ``prefix_cache`` (its engines' prefix hits over the measured requests)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, limits=limits, timeout=args.timeout + 30) as client:
         warm = [w for w in work if w.warmup]
         if warm:
             await asyncio.gather(*(send(client, args.endpoint, w, args.model, args.timeout) for w in warm))
         measured = [w for w in work if not w.warmup]
+        prefix_before = await read_prefix_counters(client) if args.trace else None
         progress = _progress(len(measured), args.quiet)
         start = time.perf_counter()
         deadline = start + args.duration
@@ -69,16 +83,20 @@ async def run_load(args: argparse.Namespace, work: list[Work], rate: float
         if args.concurrency:
             results = await _closed_loop(client, args, measured, deadline, progress)
         else:
-            results = await _open_loop(client, args, measured, rate, deadline, progress)
+            results = await _open_loop(client, args, measured, offsets, start, deadline, progress)
         duration = time.perf_counter() - start
         progress.close()
-        samples = None
+        observed: dict = {}
         if sampler is not None:
             sampler.cancel()
             samples = await sampler
             last = await _replica_sample(client, start)  # and one as the load ends
-            samples += [last] if last is not None else []
-    return results, duration, samples
+            observed["replicas"] = replica_report(samples + ([last] if last is not None else []))
+        if args.trace:
+            prefix_after = await read_prefix_counters(client)
+            if prefix_before is not None and prefix_after is not None:
+                observed["prefix_cache"] = prefix_hit_report(prefix_before, prefix_after)
+    return results, duration, observed
 
 
 REPLICAS = re.compile(r'^pdserve_replicas\{deployment="(\w+)"\} (\S+)$', re.MULTILINE)
@@ -119,8 +137,9 @@ def replica_report(samples: list[dict]) -> dict:
     return report
 
 
-async def _open_loop(client, args, work: list[Work], rate: float, deadline: float, progress) -> list[Result]:
-    gaps = arrival_gaps(rate, args.burstiness, args.seed)
+async def _open_loop(client, args, work: list[Work], offsets: list[float], start: float, deadline: float,
+                     progress) -> list[Result]:
+    """Each request sent ``offsets[i]`` seconds after ``start`` (none at or after ``deadline``)."""
     limit = asyncio.Semaphore(args.max_concurrency or len(work) or 1)
     tasks = []
 
@@ -130,11 +149,11 @@ async def _open_loop(client, args, work: list[Work], rate: float, deadline: floa
         progress.update(1)
         return result
 
-    for w in work:
-        if time.perf_counter() >= deadline:
+    for w, offset in zip(work, offsets):
+        if start + offset >= deadline:
             break
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         tasks.append(asyncio.create_task(one(w)))
-        await asyncio.sleep(next(gaps))
     return list(await asyncio.gather(*tasks))
 
 
@@ -159,14 +178,17 @@ def _progress(total: int, quiet: bool):
     return tqdm(total=total, disable=quiet, unit="req", file=sys.stderr)
 
 
-def build_result(args, results: list[Result], duration: float, rate: float, samples: list[dict] | None = None
-                 ) -> dict:
+def build_result(args, results: list[Result], duration: float, rate: float, observed: dict | None = None,
+                 trace: dict | None = None) -> dict:
+    """vLLM's summary of ``results``, per priority too; what the server showed (``observed``: replicas,
+    prefix_cache), the replayed ``trace``'s description, and with --slo-grid each pair's attainment."""
     goodput = parse_goodput(args.goodput)
     result = {"endpoint": args.endpoint, "request_rate": rate, "burstiness": args.burstiness,
               "max_concurrency": args.concurrency or args.max_concurrency, "num_prompts": len(results),
-              **summarize(results, duration, goodput), "per_priority": per_priority(results, duration, goodput)}
-    if samples is not None:
-        result["replicas"] = replica_report(samples)
+              **summarize(results, duration, goodput), "per_priority": per_priority(results, duration, goodput),
+              **(observed or {})}
+    if trace is not None:
+        result["trace"] = trace
     if args.slo_grid:
         result["slo_attainment"] = attainment(results, args.slo_grid)
     return result
@@ -200,6 +222,10 @@ def print_table(result: dict) -> None:
                 shown = counts
         if "mean_pd_ratio" in result["replicas"]:
             print(f"{'Mean P:D replica ratio':<38}{result['replicas']['mean_pd_ratio']:>14.3f}")
+    if "trace" in result:
+        print(f"{'Trace block reuse':<38}{result['trace']['block_reuse']:>14.3f}")
+    if "prefix_cache" in result:
+        print(f"{'Prefix cache hit rate (tokens)':<38}{result['prefix_cache']['prefix_hit_rate']:>14.3f}")
     print("=" * 52)
 
 
@@ -210,15 +236,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --base-url")
     p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="infer_token")
     p.add_argument("--model", default="tiny-llama", help="model name for /v1 endpoints")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (open loop); inf: all at once")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 is Poisson")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="requests/s (open loop); inf (the default): all at once")
+    p.add_argument("--burstiness", type=float, default=None, help="gamma shape of arrivals; 1 (the default) is Poisson")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (open loop)")
     p.add_argument("--concurrency", type=int, default=None, help="closed loop with this many clients")
-    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--num-requests", type=int, default=None, help="default 100; with --trace, the whole trace")
     p.add_argument("--duration", type=float, default=300.0, help="stop sending after this many seconds")
-    p.add_argument("--input-len", default="128", help="N or LOW:HIGH (uniform)")
-    p.add_argument("--output-len", default="64", help="N or LOW:HIGH (uniform)")
+    p.add_argument("--input-len", default=None, help="N or LOW:HIGH (uniform); default 128")
+    p.add_argument("--output-len", default=None, help="N or LOW:HIGH (uniform); default 64")
     p.add_argument("--dataset", type=Path, help='JSONL: {"prompt" or "input_ids", "output_len"} per line')
+    p.add_argument("--trace", type=Path, help="replay a Mooncake-format JSONL trace (timestamp ms, input_length, "
+                   "output_length, hash_ids): its times, lengths and shared prompt blocks")
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"--trace: tokens per hash id (default {MOONCAKE_BLOCK_SIZE}, the Mooncake traces')")
+    p.add_argument("--speedup", type=float, default=None,
+                   help="--trace: replay this many times faster than recorded (default 1; 2 halves every gap)")
     p.add_argument("--token-range", default="3:800", help="LOW:HIGH of random prompt token ids")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--priority-mix", default=None, help="e.g. 1:0.2,5:0.8")
@@ -234,6 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="read the server's /metrics this often and report its replicas over the run (P:D ratio)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    _check_trace_options(p, args)
     for name in ("num_requests", "concurrency", "max_concurrency", "warmup"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
@@ -250,6 +284,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+SET_BY_THE_TRACE = ("request_rate", "burstiness", "input_len", "output_len", "dataset", "concurrency", "sweep")
+DEFAULTS = {"request_rate": float("inf"), "burstiness": 1.0, "input_len": "128", "output_len": "64"}
+
+
+def _check_trace_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A trace sets the arrivals and lengths: an option that would set them too is refused, as are the
+    trace's own options without one. Then the defaults of the options left unset."""
+    if args.trace is not None:
+        given = [f"--{n.replace('_', '-')}" for n in SET_BY_THE_TRACE if getattr(args, n) is not None]
+        if given:
+            p.error(f"--trace sets the arrivals and lengths; {', '.join(given)} cannot be combined with it")
+        args.block_size = MOONCAKE_BLOCK_SIZE if args.block_size is None else args.block_size
+        args.speedup = 1.0 if args.speedup is None else args.speedup
+        if args.block_size < 1 or args.speedup <= 0:
+            p.error("--block-size must be >= 1 and --speedup > 0")
+    elif args.block_size is not None or args.speedup is not None:
+        p.error("--block-size and --speedup are --trace's options")
+    for name, default in DEFAULTS.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+
+
+def _trace_load(args: argparse.Namespace, token_range: tuple[int, int]) -> tuple[list[Work], list[float], dict]:
+    """The trace's first --num-requests records as work (after --warmup short random requests that share
+    no block with it), their send offsets, and the trace's description for the result."""
+    try:
+        records = read_trace(args.trace, args.block_size)[:args.num_requests]
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--trace: {error}") from None
+    rng, mix = random.Random(args.seed), parse_priority_mix(args.priority_mix)
+    work = workloads(0, "16", "4", args.seed, args.priority_mix, token_range, warmup=args.warmup)
+    work += trace_workloads(records, args.block_size, token_range, [draw_priority(rng, mix) for _ in records],
+                            args.seed)
+    offsets = send_offsets(records, args.speedup)
+    trace = {"file": str(args.trace), "requests": len(records), "block_size": args.block_size,
+             "speedup": args.speedup, "span_s": offsets[-1], "offered_rate": trace_rate(records, args.speedup),
+             **block_reuse(records)}
+    return work, offsets, trace
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if not args.allow_remote:
@@ -258,10 +331,17 @@ def main(argv: list[str] | None = None) -> dict:
     rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.request_rate]
     runs = []
     for i, rate in enumerate(rates):
-        work = workloads(args.num_requests, args.input_len, args.output_len, args.seed + i, args.priority_mix,
-                         (low, high), args.dataset, args.warmup)
-        results, duration, samples = asyncio.run(run_load(args, work, rate))
-        run = build_result(args, results, duration, rate, samples)
+        trace = None
+        if args.trace:
+            work, offsets, trace = _trace_load(args, (low, high))
+            rate = trace["offered_rate"]
+        else:
+            count = args.num_requests or 100
+            work = workloads(count, args.input_len, args.output_len, args.seed + i, args.priority_mix, (low, high),
+                             args.dataset, args.warmup)
+            offsets = arrival_offsets(rate, args.burstiness, args.seed, count)
+        results, duration, observed = asyncio.run(run_load(args, work, offsets))
+        run = build_result(args, results, duration, rate, observed, trace)
         run["_results"] = results
         runs.append(run)
         if not args.quiet:
