@@ -170,8 +170,11 @@ class Scheduler:
                 continue
             if not self._make_room(seq, n, batch):
                 continue
-            batch.block_copies += self.blocks.allocate(seq, seq.num_computed_tokens + n)
-            self.rows.write_blocks(seq)
+            held = len(seq.block_table)
+            copies = self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            if copies or len(seq.block_table) != held:  # most decode steps: the table is as it was
+                batch.block_copies += copies
+                self.rows.write_blocks(seq)
             batch.entries.append((seq, n))
             budget -= n
         # Running requests that lost blocks this step come before anything new.
