@@ -137,6 +137,12 @@ class Scheduler:
         """The forward ran: the scheduled tokens are computed, less each entry's ``rejected``
         drafts (their KV is garbage, overwritten later), and their full blocks are cached.
         Accepted drafts count as computed before the engine appends them to the sequence."""
+        if batch.decode_only and not any(rejected or ()):  # one token each, none of the prompt
+            for seq, _ in batch.entries:
+                seq.num_computed_tokens += 1
+                self.blocks.cache_full_blocks(seq)
+            self.rows.num_computed[batch.slots] += 1
+            return
         for (seq, n), dropped in zip(batch.entries, rejected or [0] * len(batch.entries)):
             start = seq.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(start + n, seq.num_prompt_tokens) - start)
@@ -168,12 +174,10 @@ class Scheduler:
             n = self._new_tokens(seq, seq.num_computed_tokens, budget)
             if n == 0:  # a beam that has reported its step waits for its siblings (engine/decoding/beam_search.py)
                 continue
-            if not self._make_room(seq, n, batch):
-                continue
-            held = len(seq.block_table)
-            copies = self.blocks.allocate(seq, seq.num_computed_tokens + n)
-            if copies or len(seq.block_table) != held:  # most decode steps: the table is as it was
-                batch.block_copies += copies
+            if not self.blocks.covers(seq, seq.num_computed_tokens + n):  # most decode steps: it does
+                if not self._make_room(seq, n, batch):
+                    continue
+                batch.block_copies += self.blocks.allocate(seq, seq.num_computed_tokens + n)
                 self.rows.write_blocks(seq)
             batch.entries.append((seq, n))
             budget -= n
