@@ -227,8 +227,10 @@ class LLMEngine:
 
     def _from_columns(self, batch: ScheduledBatch) -> bool:
         """Whether a decode step's rows all sample and stop from their persistent-batch columns
-        alone: no processor, grammar, beam or generation logits, no choice left to fork."""
-        return bool(self.rows.plain[batch.slots].all()) and not any(seq.pending_choices for seq, _ in batch.entries)
+        alone: no processor, grammar, beam or generation logits, no choice left to fork, and not
+        PREFILL (a resumed request's context can end in one decode-like token: it hands over)."""
+        return bool(self.rows.plain[batch.slots].all()) and not any(
+            seq.pending_choices or seq.mode is Mode.PREFILL for seq, _ in batch.entries)
 
     def _postprocess_decode(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """The outputs of a step from the columns: the sampled tokens appended and EOS, stop ids and

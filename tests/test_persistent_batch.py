@@ -158,3 +158,17 @@ def test_engine_steps_keep_the_arrays_equal_to_a_rebuild():
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to run out"
     assert {rid for rid, _ in finished} == {f"e{k}" for k in range(2 * len(specs))}
     assert len(engine.rows) == 0
+
+
+def test_a_resumed_prefill_whose_context_ends_in_one_uncached_token_hands_over():
+    """PREFILL of a resumed request whose context is cached but for its last token: that step is
+    one decode-like token per entry, and still ends in the hand-over to D, not a decoded token."""
+    engine = LLMEngine(EngineConfig(model="tiny-llama", block_size=4, num_blocks=64, enable_prefix_caching=True))
+    prompt = list(range(20, 28))  # two blocks
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    first = engine.generate([GenerationRequest("whole", prompt, params)])["whole"].output_token_ids
+    longer = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)  # not ended by its next token
+    resumed = GenerationRequest("resumed", prompt, longer, resumed_output_ids=first[:5])  # 13 tokens: 12 cached
+    out = engine.prefill([resumed])["resumed"]
+    assert not out.finished and out.prefill is not None and out.new_token_ids == [first[5]]
+    assert engine.blocks.counts().held == 0  # P keeps nothing
