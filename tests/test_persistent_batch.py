@@ -27,7 +27,7 @@ BLOCK = 4
 
 def assert_matches_rebuild(rows: PersistentBatch, running: list[Sequence]) -> None:
     """The arrays of every running sequence equal a fresh batch's, joined from scratch; no other slot is taken."""
-    assert len(rows) == len(running)
+    assert rows.num_running == len(running)
     assert sorted(seq.row for seq in running) == sorted(set(seq.row for seq in running))
     fresh = PersistentBatch(1, rows.table_width, rows.vocab_size)
     fresh.adapters = dict(rows.adapters)  # adapter indices are the batch's own numbering
@@ -157,7 +157,7 @@ def test_engine_steps_keep_the_arrays_equal_to_a_rebuild():
         steps += 1
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to run out"
     assert {rid for rid, _ in finished} == {f"e{k}" for k in range(2 * len(specs))}
-    assert len(engine.rows) == 0
+    assert engine.rows.num_running == 0
 
 
 def test_a_resumed_prefill_whose_context_ends_in_one_uncached_token_hands_over():

@@ -97,7 +97,9 @@ class PersistentBatch:
         self._free += range(capacity - 1, self.capacity - 1, -1)  # lowest slot taken first
         self.capacity = capacity
 
-    def __len__(self) -> int:
+    @property
+    def num_running(self) -> int:
+        """Slots taken (no ``__len__``: an empty batch is still a batch, never falsy)."""
         return self.capacity - len(self._free)
 
     # ---- writes ----------------------------------------------------------------------------
