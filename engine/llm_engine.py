@@ -239,7 +239,7 @@ class LLMEngine:
         tokens = np.asarray(sampled.token_ids, dtype=np.int64)
         self.rows.append_tokens(slots, tokens)
         eos, stop, length = self.rows.stops(slots, tokens, self.max_model_len, self.config.max_iter_times)
-        codes = np.select([eos, stop, length], [1, 2, 3], 0)  # finish_reason's order: EOS, stop id, length
+        codes = np.where(eos, 1, np.where(stop, 2, np.where(length, 3, 0)))  # finish_reason's order
         verdicts = [(None, EOS, STOP, LENGTH)[code] for code in codes.tolist()]
         per_row = self.rows.stops_per_row[slots].tolist()
         outputs, append = [], self.output_processor.append_token
