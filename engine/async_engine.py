@@ -64,6 +64,47 @@ class EngineStats:
 
 
 @dataclass
+class AddRequest:
+    """Engine-thread command: queue ``request`` (LLMEngine.add_request); a refusal goes to its stream."""
+
+    request: GenerationRequest
+    mode: Mode
+    prefill: PrefillResult | None
+    kv_export_start: int
+    lora: LoraAdapter | None
+
+
+@dataclass
+class HoldPrefix:
+    """Engine-thread command: hold ``request``'s cached prefix until ``until``; the count (or the
+    error) settles ``answer`` on ``loop``."""
+
+    request: GenerationRequest
+    lora: LoraAdapter | None
+    until: float
+    loop: asyncio.AbstractEventLoop
+    answer: asyncio.Future
+
+
+@dataclass
+class ReceiveKV:
+    """Engine-thread command: a receiving request's KV bytes have arrived."""
+
+    request_id: str
+    data: object  # [L, 2, T, Hkv, D] array
+
+
+@dataclass
+class Abort:
+    """Engine-thread command: end every choice of ``request_id``."""
+
+    request_id: str
+
+
+EngineCommand = AddRequest | HoldPrefix | ReceiveKV | Abort
+
+
+@dataclass
 class _Outbox:
     """One caller's stream: what the engine thread has delivered and the caller not yet taken.
     ``pending`` is guarded by the engine's lock; ``ready`` lives on the caller's loop and is set
@@ -77,7 +118,7 @@ class _Outbox:
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Outbox] = {}
         self._to_wake: list[_Outbox] = []  # engine thread: outboxes that became non-empty since the last flush
@@ -132,16 +173,16 @@ class AsyncEngine:
         self.engine.validate(request, lora=lora)
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
-        self._commands.put(("hold", request, lora, time.time() + hold_s, loop, answer))
+        self._commands.put(HoldPrefix(request, lora, time.time() + hold_s, loop, answer))
         self._wake.set()
         return await answer
 
     def receive_kv(self, request_id: str, data) -> None:
-        self._commands.put(("kv", request_id, data))
+        self._commands.put(ReceiveKV(request_id, data))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(Abort(request_id))
         self._wake.set()
 
     def stats(self) -> EngineStats:
@@ -224,7 +265,7 @@ class AsyncEngine:
             if request.request_id in self._streams:
                 raise ValueError(f"request_id: {request.request_id!r} is already running")
             self._streams[request.request_id] = outbox
-        self._commands.put(("add", request, mode, prefill, kv_export_start, lora))
+        self._commands.put(AddRequest(request, mode, prefill, kv_export_start, lora))
         self._wake.set()
         return outbox
 
@@ -310,23 +351,22 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                _, request, mode, prefill, kv_export_start, lora = command
+            if isinstance(command, AddRequest):
                 try:
-                    self.engine.add_request(request, mode, prefill, kv_export_start, lora)
+                    self.engine.add_request(command.request, command.mode, command.prefill, command.kv_export_start,
+                                            command.lora)
                 except Exception as error:
-                    self._deliver(request.request_id, error)
-            elif command[0] == "hold":
-                _, request, lora, until, loop, answer = command
+                    self._deliver(command.request.request_id, error)
+            elif isinstance(command, HoldPrefix):
                 try:
-                    result = self.engine.hold_prefix(request, lora, until)
+                    result = self.engine.hold_prefix(command.request, command.lora, command.until)
                 except Exception as error:
                     result = error
-                loop.call_soon_threadsafe(_settle, answer, result)
-            elif command[0] == "kv":
-                self.engine.receive_kv(command[1], command[2])
+                command.loop.call_soon_threadsafe(_settle, command.answer, result)
+            elif isinstance(command, ReceiveKV):
+                self.engine.receive_kv(command.request_id, command.data)
             else:
-                for output in self.engine.abort(command[1]):
+                for output in self.engine.abort(command.request_id):
                     self._finished[output.finish_reason] += 1
                     self._deliver(output.request_id, output)
 

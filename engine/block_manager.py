@@ -127,6 +127,15 @@ class BlockManager:
         revived = sum(1 for b in computed if self.ref_count[b] == 0)
         return new + revived + (1 if self._shared_tail(seq) is not None else 0)
 
+    def covers(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``seq``'s blocks already hold ``num_tokens`` tokens with a tail of its own, so that
+        ``allocate(seq, num_tokens)`` has nothing to do (most decode steps: one check, no allocation)."""
+        table = seq.block_table
+        if -(-num_tokens // self.block_size) > len(table):
+            return False
+        index, offset = divmod(seq.num_computed_tokens, self.block_size)
+        return not offset or index >= len(table) or self.ref_count[table[index]] <= 1
+
     def can_allocate(self, seq: Sequence, num_tokens: int, computed: list[int] = ()) -> bool:
         return self.blocks_needed(seq, num_tokens, computed) <= self.num_free
 

@@ -32,6 +32,7 @@ import logging
 import random
 import time
 
+import numpy as np
 import torch
 
 from engine import offline
@@ -42,10 +43,11 @@ from engine.decoding.draft_steps import DraftVerification
 from engine.decoding.speculative import Drafter
 from engine.execution.loader import load_model
 from engine.execution.model_runner import ModelRunner, StepResult, kv_pool_blocks
+from engine.execution.persistent_batch import PersistentBatch
 from engine.kv_transfer import KVPayload
 from engine.lora_adapter import LoraAdapter, ModelShape
 from engine.output_processor import OutputProcessor, sampled_tokens
-from engine.outputs import ABORT, TIMEOUT, PrefillResult, RequestOutput, Sampled
+from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, PrefillResult, RequestOutput, Sampled, TokenLogprob
 from engine.prefix_holds import PrefixHolds
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -72,16 +74,19 @@ class LLMEngine:
                                    config.enable_prefix_caching)
         # A request can never hold more KV than the whole pool: past that it would preempt itself forever.
         self.max_model_len = min(self.loaded.max_model_len, self.blocks.num_blocks * config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        # The running rows' columns (engine/execution/persistent_batch.py): the scheduler joins and
+        # leaves them, the output processor appends tokens, the runner reads a decode step from them.
+        self.rows = PersistentBatch(config.max_num_seqs, self.blocks.blocks_for(self.max_model_len), self.vocab_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.rows)
         self.holds = PrefixHolds(self.blocks)
-        self.runner = ModelRunner(self.loaded, self.blocks, config)
+        self.runner = ModelRunner(self.loaded, self.blocks, config, self.rows)
         self.runner.warm_up(config.max_num_batched_tokens)
         self.lora_shape = ModelShape.of(self.loaded.spec)  # what an adapter must fit
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.loaded.eos_token_ids)
         self.validator = RequestValidator(config, self.vocab_size, self.loaded.spec.hidden_size, self.lora_shape,
                                           self.grammars, self.runner.kv_meta, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.grammars, config, self.max_model_len,
-                                                self.loaded.eos_token_ids, self.runner, self._release)
+                                                self.loaded.eos_token_ids, self.runner, self._release, self.rows)
         self.beam_search = BeamSearch(self.scheduler, self._register, self._release, self.output_processor,
                                       self.tokenizer, config, self.max_model_len)
         self.drafts = DraftVerification(config, self.max_model_len, self._sampling_row,
@@ -128,6 +133,8 @@ class LLMEngine:
                        choices[0].index, lora)
         seq.pending_choices = choices[1:]
         seq.kv_export_start = kv_export_start
+        seq.eos_token_ids = self.output_processor.eos_ids(request.params)
+        seq.decode_side = mode is Mode.DECODE or self.config.first_token_from_prefill
         if mode is Mode.DECODE:
             seq.pending_kv = prefill.kv
             self.output_processor.start_from_first_token(seq, choices[0])
@@ -195,6 +202,10 @@ class LLMEngine:
         self._kv_wanted += [seq.request_id for seq in batch.kv_wanted]
         for seq, why in batch.unservable:
             outputs += self._end(seq, ABORT, error=why)
+        if batch.entries and batch.decode_only and self._from_columns(batch):
+            result = self.runner.run(batch, None, [1] * len(batch.entries))
+            self.scheduler.commit(batch)
+            return outputs + self._postprocess_decode(batch, result)
         if batch.entries:
             rows, repeats = [], []
             for (seq, _), samples, drafted in zip(batch.entries, batch.sampling, batch.drafted):
@@ -212,6 +223,33 @@ class LLMEngine:
             self.output_processor.keep_prompt_rows(result)
             self.scheduler.commit(batch, [k - a for k, a in zip(batch.drafted, accepted)])
             outputs += self._postprocess(batch, result, repeats, accepted)
+        return outputs
+
+    def _from_columns(self, batch: ScheduledBatch) -> bool:
+        """Whether a decode step's rows all sample and stop from their persistent-batch columns
+        alone: no processor, grammar, beam or generation logits, no choice left to fork, and not
+        PREFILL (a resumed request's context can end in one decode-like token: it hands over)."""
+        return bool(self.rows.plain[batch.slots].all()) and not any(
+            seq.pending_choices or seq.mode is Mode.PREFILL for seq, _ in batch.entries)
+
+    def _postprocess_decode(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+        """The outputs of a step from the columns: the sampled tokens appended and EOS, stop ids and
+        length caps decided for the whole batch with array operations; text and stop strings per row."""
+        sampled, slots = result.sampled, batch.slots
+        tokens = np.asarray(sampled.token_ids, dtype=np.int64)
+        self.rows.append_tokens(slots, tokens)
+        eos, stop, length = self.rows.stops(slots, tokens, self.max_model_len, self.config.max_iter_times)
+        codes = np.where(eos, 1, np.where(stop, 2, np.where(length, 3, 0)))  # finish_reason's order
+        verdicts = [(None, EOS, STOP, LENGTH)[code] for code in codes.tolist()]
+        per_row = self.rows.stops_per_row[slots].tolist()
+        outputs, append = [], self.output_processor.append_token
+        for (seq, _), token, logprob, top, verdict, own in zip(batch.entries, sampled.token_ids, sampled.logprobs,
+                                                              sampled.top_logprobs, verdicts, per_row):
+            chosen = TokenLogprob(token, logprob, top) if logprob is not None else None
+            if own:  # stop ids the columns do not hold: decided row by row
+                outputs += append(seq, Sampled(token, chosen, None))
+            else:
+                outputs += append(seq, Sampled(token, chosen, None), verdict)
         return outputs
 
     def _sampled_choices(self, seq: Sequence) -> list[PendingChoice]:

@@ -20,6 +20,7 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.execution.model_runner import ModelRunner, StepResult
+from engine.execution.persistent_batch import PersistentBatch
 from engine.kv_transfer import KVPayload
 from engine.outputs import ABORT, EOS, LENGTH, STOP, ChoiceStart, PrefillResult, RequestOutput, Sampled, TokenLogprob
 from engine.request import Mode, PendingChoice, Sequence
@@ -27,6 +28,7 @@ from sampling import SamplingParams
 from sampling.grammar import GrammarCompiler, GrammarDeadEnd, Matcher, MatcherState
 
 SequenceKey = tuple[str, int]  # (request id, choice index)
+UNDECIDED = object()  # append_token: no verdict from the batch's stop columns
 
 
 @dataclass(eq=False)
@@ -40,6 +42,7 @@ class OutputProcessor:
     eos_token_ids: list[int]  # the model's
     runner: ModelRunner  # PREFILL's KV export
     release: Callable[[Sequence], None]  # the loop frees an ended sequence (and calls ``forget``)
+    rows: PersistentBatch  # a running sequence's columns: its appended tokens are written there
     detokenizers: dict[SequenceKey, IncrementalDetokenizer] = field(default_factory=dict, init=False)
     matchers: dict[SequenceKey, MatcherState] = field(default_factory=dict, init=False)  # made on first use
 
@@ -53,6 +56,7 @@ class OutputProcessor:
         """DECODE mode: the choice's first token came from P, whose text P already released."""
         self.start(seq)
         seq.token_ids.append(choice.first_token_id)
+        self.rows.write_token(seq)
         seq.first_token_time = seq.arrival_time
         if choice.first_logprob is not None:
             seq.cumulative_logprob += choice.first_logprob
@@ -98,10 +102,16 @@ class OutputProcessor:
         """The request's end id (TensorRT-LLM's end_id), else the model's EOS ids."""
         return [params.eos_token_id] if params.eos_token_id is not None else self.eos_token_ids
 
-    def append_token(self, seq: Sequence, sampled: Sampled) -> list[RequestOutput]:
-        """seq's next token: its output, and seq's end if the token ends it (never a beam's)."""
+    def append_token(self, seq: Sequence, sampled: Sampled, verdict: str | None | object = UNDECIDED
+                     ) -> list[RequestOutput]:
+        """seq's next token: its output, and seq's end if the token ends it (never a beam's).
+        ``verdict``: the end the batch's stop columns decided for this token (EOS, STOP, LENGTH or
+        None; engine/execution/persistent_batch.py ``stops``), which wrote the token there too;
+        a stop string still ends it here. Else decided here, row by row."""
         token, logprob = sampled.token_id, sampled.logprob
         seq.token_ids.append(token)
+        if verdict is UNDECIDED:
+            self.rows.write_token(seq)
         if seq.first_token_time is None:
             seq.first_token_time = time.time()
         if logprob is not None:
@@ -112,7 +122,10 @@ class OutputProcessor:
             complete = self._grammar_complete(seq)
         except GrammarDeadEnd as error:
             return self.finish(seq, ABORT, [token], text, logprobs, error=str(error), logits=sampled.logits)
-        reason = self.finish_reason(seq, token, complete or stopped)
+        if verdict is UNDECIDED:
+            reason = self.finish_reason(seq, token, complete or stopped)
+        else:  # the order of finish_reason: EOS, then a stop (string or id), then a length cap
+            reason = STOP if stopped and verdict != EOS else verdict
         if reason is not None:
             return self.finish(seq, reason, [token], text, logprobs, logits=sampled.logits)
         return [self._output(seq, [token], text, logprobs, finished=False, logits=sampled.logits)]

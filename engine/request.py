@@ -140,6 +140,13 @@ class Sequence:
         self.token_ids = request.context_token_ids
         self._prompt_ids: list[int] | None = None  # prompt_ids, once asked for
         self.block_table: list[int] = []
+        # Its slot in the persistent batch while it runs; -1 (persistent_batch.NO_ROW) when not running.
+        # A literal: the dialects reach this module, and it imports nothing of execution/.
+        self.row = -1
+        # Its stop columns, set by the engine when it is added: the end ids that end it (the
+        # request's, else the model's), and whether the server cap leaves its first token out.
+        self.eos_token_ids: list[int] = []
+        self.decode_side = False
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
@@ -211,6 +218,7 @@ class Sequence:
         child = object.__new__(Sequence)
         child.__dict__.update(self.__dict__)
         child.index = index
+        child.row = -1  # not running until the scheduler joins it
         child.token_ids = list(self.token_ids)
         child.block_table = []
         child.num_keyed_blocks = 0

@@ -36,7 +36,10 @@ from dataclasses import dataclass, field
 import heapq
 import time
 
+import numpy as np
+
 from engine.block_manager import BlockManager
+from engine.execution.persistent_batch import PersistentBatch
 from engine.request import PRIORITY_MAX, PendingChoice, Sequence, SequenceStatus
 
 
@@ -53,11 +56,18 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     kv_wanted: list[Sequence] = field(default_factory=list)  # admitted into receiving: fetch their KV now
     unservable: list[tuple[Sequence, str]] = field(default_factory=list)  # taken out of the queue, with why
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [E]: each entry's row slot
+    # Every entry one decode token (no prompt, no drafts): its inputs are gathers of the persistent batch.
+    decode_only: bool = False
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 rows: PersistentBatch | None = None) -> None:
+        """``rows``: the running sequences' columns, joined and left here (default: tables as wide
+        as the pool, no vocabulary to clamp top-k to)."""
         self.blocks = blocks
+        self.rows = rows if rows is not None else PersistentBatch(max_num_seqs, blocks.num_blocks, vocab_size=2**62)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []  # heap by order_key
@@ -94,6 +104,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and give back its blocks (finish, abort, expiry)."""
+        self.rows.leave(seq)
         for queue in (self.running, self.receiving, self._arrived):
             if seq in queue:
                 queue.remove(seq)
@@ -114,17 +125,29 @@ class Scheduler:
     def _run_beside(self, parent: Sequence, child: Sequence) -> Sequence:
         self.blocks.fork(parent, child)
         child.status = SequenceStatus.RUNNING
-        self.running.append(child)
+        self._run(child)
         return child
+
+    def _run(self, seq: Sequence) -> None:
+        """``seq`` joins the running batch (and the persistent batch's rows)."""
+        self.running.append(seq)
+        self.rows.join(seq)
 
     def commit(self, batch: ScheduledBatch, rejected: list[int] | None = None) -> None:
         """The forward ran: the scheduled tokens are computed, less each entry's ``rejected``
         drafts (their KV is garbage, overwritten later), and their full blocks are cached.
         Accepted drafts count as computed before the engine appends them to the sequence."""
+        if batch.decode_only and not any(rejected or ()):  # one token each, none of the prompt
+            for seq, _ in batch.entries:
+                seq.num_computed_tokens += 1
+                self.blocks.cache_full_blocks(seq)
+            self.rows.num_computed[batch.slots] += 1
+            return
         for (seq, n), dropped in zip(batch.entries, rejected or [0] * len(batch.entries)):
             start = seq.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(start + n, seq.num_prompt_tokens) - start)
             seq.num_computed_tokens = start + n - dropped
+            self.rows.write_computed(seq)
             self.blocks.cache_full_blocks(seq)
 
     def schedule(self) -> ScheduledBatch:
@@ -135,7 +158,7 @@ class Scheduler:
         for seq in self._arrived:  # imported before this step's forward, then computed like the rest
             batch.kv_imports.append((seq, seq.kv_import_from))
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
         self._arrived = []
         may_overtake = True  # False once a waiting request of higher priority found no room this step
         for seq in sorted(self.running, key=lambda s: s.order_key):
@@ -151,9 +174,11 @@ class Scheduler:
             n = self._new_tokens(seq, seq.num_computed_tokens, budget)
             if n == 0:  # a beam that has reported its step waits for its siblings (engine/decoding/beam_search.py)
                 continue
-            if not self._make_room(seq, n, batch):
-                continue
-            batch.block_copies += self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            if not self.blocks.covers(seq, seq.num_computed_tokens + n):  # most decode steps: it does
+                if not self._make_room(seq, n, batch):
+                    continue
+                batch.block_copies += self.blocks.allocate(seq, seq.num_computed_tokens + n)
+                self.rows.write_blocks(seq)
             batch.entries.append((seq, n))
             budget -= n
         # Running requests that lost blocks this step come before anything new.
@@ -161,7 +186,19 @@ class Scheduler:
             self._admit(batch, budget)
         batch.drafted = [max(0, seq.num_computed_tokens + n - seq.num_tokens) for seq, n in batch.entries]
         batch.sampling = [seq.num_computed_tokens + n >= seq.num_tokens for seq, n in batch.entries]
+        self._mark_decode(batch)
         return batch
+
+    def _mark_decode(self, batch: ScheduledBatch) -> None:
+        """The entries' row slots, and whether every entry is one decode token (from the columns)."""
+        entries = batch.entries
+        batch.slots = np.fromiter((seq.row for seq, _ in entries), dtype=np.int64, count=len(entries))
+        if not entries:
+            return
+        one = np.fromiter((n for _, n in entries), dtype=np.int64, count=len(entries)) == 1
+        rows = self.rows
+        batch.decode_only = bool((one & (rows.num_computed[batch.slots] >= rows.num_prompt[batch.slots])
+                                  & (rows.num_computed[batch.slots] + 1 == rows.num_tokens[batch.slots])).all())
 
     def _admit(self, batch: ScheduledBatch, budget: int, below: int = PRIORITY_MAX + 1) -> int:
         """Admit waiting requests of priority under ``below`` in order; the budget left."""
@@ -193,7 +230,7 @@ class Scheduler:
                     continue
                 batch.kv_imports.append((seq, seq.kv_import_from))
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             batch.entries.append((seq, n))
             budget -= n
         return budget
@@ -244,6 +281,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
+        self.rows.leave(seq)
         self.blocks.free(seq)
         # A sequence whose KV just arrived keeps it in pending_kv and imports it on readmission.
         batch.kv_imports = [(s, first) for s, first in batch.kv_imports if s is not seq]

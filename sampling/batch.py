@@ -1,6 +1,7 @@
 """The per-step view of a batch that the sampler reads: per-row parameters as tensors.
 
-Built once per engine step from the requests that sample in that step. Dense per-row
+Built once per engine step from the requests that sample in that step, or gathered from the
+persistent batch's columns when every row samples from them alone (``from_columns``). Dense per-row
 controls (temperature, top-k, top-p, min-p, penalties, seeds) become [R] tensors so the
 sampler handles them without a Python loop over rows; the rare list-valued controls
 (bad words, n-gram bans, logit bias) are kept as per-row lists, with the indices of the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sampling.noise import split_seed
@@ -35,6 +37,21 @@ class SamplingRow:
 
 
 @dataclass
+class SamplingColumns:
+    """A step's rows' dense sampling controls, each [R] (numpy): what ``SamplingBatch.from_columns`` reads."""
+
+    greedy: np.ndarray  # bool
+    temperature: np.ndarray  # float32, 1.0 on greedy rows
+    top_k: np.ndarray  # int64, 0 = off
+    top_p: np.ndarray  # float32
+    min_p: np.ndarray  # float32
+    seed_lo: np.ndarray  # int64
+    seed_hi: np.ndarray  # int64
+    step: np.ndarray  # int64: index of the token being generated
+    logprobs: np.ndarray  # int64: top-N asked for, -1 = none
+
+
+@dataclass
 class SamplingBatch:
     rows: list[SamplingRow]
     # Row partitions known on the host when the batch is built, so that the sampler does not
@@ -54,6 +71,7 @@ class SamplingBatch:
     seed_hi: torch.Tensor  # [R] int64
     step: torch.Tensor  # [R] int64: index of the token being generated
     max_logprobs: int | None  # largest top-N asked for in the batch, None if none asked
+    top_n: list[int | None]  # per row: the top-N logprobs it asked for, None if none
     has_processors: bool  # some row asks for a penalty, bias or ban (sampling/processors.py)
     grammar_rows: torch.Tensor  # [Rc] int64: rows constrained by a grammar
     token_bitmask: torch.Tensor | None  # [Rc, W] int32: their allowed tokens, packed; None when Rc = 0
@@ -94,10 +112,47 @@ class SamplingBatch:
             seed_hi=ints[2],
             step=ints[3],
             max_logprobs=max(asked) if asked else None,
+            top_n=[p.logprobs for p in params],
             has_processors=any(uses_processors(p) for p in params),
             grammar_rows=tensor(constrained, torch.int64),
             token_bitmask=torch.stack([rows[i].token_bitmask for i in constrained]).to(device) if constrained else None,
         )
+
+    @classmethod
+    def from_columns(cls, columns: "SamplingColumns", device: torch.device) -> "SamplingBatch":
+        """The batch of rows that sample from their columns alone (engine/execution/persistent_batch.py:
+        no processor, grammar, draft or beam), gathered for the step, without a Python loop over rows."""
+        greedy, min_p = columns.greedy, columns.min_p
+        logprobs = columns.logprobs
+
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values).to(device)
+
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return cls(
+            rows=[],
+            greedy_rows=tensor(np.flatnonzero(greedy)),
+            sampled_rows=tensor(np.flatnonzero(~greedy)),
+            draft_rows=empty, draft_tokens=empty, draft_probs=None,
+            min_p_rows=tensor(np.flatnonzero(~greedy & (min_p > 0))),
+            scales_temperature=bool((columns.temperature != 1.0).any()),
+            temperature=tensor(columns.temperature),
+            top_k=tensor(columns.top_k),
+            top_p=tensor(columns.top_p),
+            min_p=tensor(min_p),
+            seed_lo=tensor(columns.seed_lo),
+            seed_hi=tensor(columns.seed_hi),
+            step=tensor(columns.step),
+            max_logprobs=int(logprobs.max()) if len(logprobs) and logprobs.max() >= 0 else None,
+            top_n=[n if n >= 0 else None for n in logprobs.tolist()],
+            has_processors=False,
+            grammar_rows=empty,
+            token_bitmask=None,
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.temperature)
 
     def rows_where(self, predicate) -> list[int]:
         return [i for i, r in enumerate(self.rows) if predicate(r.params)]

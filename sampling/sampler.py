@@ -99,7 +99,7 @@ class Sampler:
         greedy_rows, sampled_rows, draft_rows = batch.greedy_rows, batch.sampled_rows, batch.draft_rows
         if not sampled_rows.numel() and not draft_rows.numel():  # all greedy: no scatter
             return self._output(greedy(logits), logprob_table, batch)
-        token_ids = torch.empty(len(batch.rows), dtype=torch.int64, device=logits.device)
+        token_ids = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
         if greedy_rows.numel():
             token_ids[greedy_rows] = greedy(logits[greedy_rows])
         self._apply_min_p(logits, batch)
@@ -152,8 +152,7 @@ class Sampler:
             chosen_all = logprob_table.gather(-1, token_ids[:, None]).squeeze(-1).tolist()
             top_values, top_ids = logprob_table.topk(max(batch.max_logprobs, 1), dim=-1)
             top_values, top_ids = top_values.tolist(), top_ids.tolist()
-            for i, row in enumerate(batch.rows):
-                n = row.params.logprobs
+            for i, n in enumerate(batch.top_n):
                 if n is None:
                     continue
                 chosen[i] = _finite(chosen_all[i])

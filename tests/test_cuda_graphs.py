@@ -46,3 +46,22 @@ def test_graph_inputs_fill_the_rows_then_padding():
     staging.fill(np.array([9]), np.array([2]), np.array([3]), [[8]], size=2)  # a smaller step after a larger
     tables, seq_info, _ = meta_views(staging.meta, 2, 4)
     assert tables.tolist() == [[8, 0, 0, 0], [0, 0, 0, 0]] and seq_info.tolist() == [[0, 1, 2], [1, 0, 0]]
+
+
+def test_graph_inputs_take_the_persistent_batchs_table_array():
+    """A decode step from the persistent batch hands its tables as one array [n, w] (0 past each
+    table's end, w narrower or wider than the graph's width): the staging is the lists'."""
+    import numpy as np
+
+    from engine.execution.cuda_graphs import GraphInputs
+
+    for lists in ([[5, 3], [1, 4, 2, 6], [9]], [[5, 3], [1], [9, 2]]):
+        for width in sorted({max(map(len, lists)), 6}):  # as wide as the widest table (the step's), or wider
+            array = np.zeros((3, width), dtype=np.int32)
+            for i, table in enumerate(lists):
+                array[i, :len(table)] = table
+            from_lists, from_array = (GraphInputs(largest=8, table_width=4, pinned=False) for _ in range(2))
+            from_lists.fill(np.array([7, 8, 9]), np.array([5, 17, 1]), np.array([21, 70, 3]), lists, size=4)
+            from_array.fill(np.array([7, 8, 9]), np.array([5, 17, 1]), np.array([21, 70, 3]), array, size=4)
+            assert from_array.meta.tolist() == from_lists.meta.tolist(), (lists, width)
+            assert from_array.tokens.tolist() == from_lists.tokens.tolist()

@@ -110,6 +110,7 @@ class BeamSearch:
             taken.add(c.beam)
         for child, c in plan:
             child.token_ids.append(c.token_id)
+            self.scheduler.rows.write_token(child)
             child.cumulative_logprob = c.cum_logprob
             group.token_logprobs[child.index] = history[beams[c.beam].index] + [c.logprob]
             if logits is not None:

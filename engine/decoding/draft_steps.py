@@ -33,7 +33,11 @@ class DraftVerification:
     def propose(self, seqs: Iterable[Sequence]) -> None:
         """Each sequence about to decode gets this step's drafts (engine/decoding/speculative.py): one whose
         last token is all it has left to compute, or one that waits for P's KV and its first step."""
+        lookup = self.config.prompt_lookup
         for seq in seqs:
+            if seq.draft is None and not (lookup if seq.prompt_lookup is None else seq.prompt_lookup):
+                seq.step_drafts = None  # drafts neither its own nor looked up: nothing to propose
+                continue
             left = seq.num_tokens - seq.num_computed_tokens
             decoding = seq.num_output_tokens > 0 and (left == 1 or seq.pending_kv is not None)
             seq.step_drafts = self.drafter.propose(seq, self._room(seq)) if decoding else None

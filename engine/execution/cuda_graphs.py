@@ -51,8 +51,8 @@ class GraphInputs:
         self.tokens = torch.zeros(3, largest, dtype=torch.int64, pin_memory=pinned)  # ids, positions, slots
         self.meta = torch.zeros(largest * (table_width + 5), dtype=torch.int32, pin_memory=pinned)
 
-    def fill(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: list[list[int]],
-             size: int) -> int:
+    def fill(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+             tables: list[list[int]] | np.ndarray, size: int) -> int:
         """Rows [0, n) from the step's n = len(tables) decode rows (row i: its token, position,
         slot and block table), rows [n, size) padding (slot -1, no new tokens); returns the
         metadata's used length (int32 elements from the start of ``meta``)."""
@@ -134,10 +134,11 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: list[list[int]]
+    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: list[list[int]] | np.ndarray
             ) -> torch.Tensor:
         """The logits [n, V] of a decode step of n = len(tables) <= max_batch rows (row i: token
-        ids[i] at positions[i], written to slots[i], with block table tables[i])."""
+        ids[i] at positions[i], written to slots[i], with block table tables[i]: lists, or the
+        persistent batch's rows [n, width] int32)."""
         n = len(tables)
         size = next(s for s in self.sizes if s >= n)
         used = self._host.fill(ids, positions, slots, tables, size)

@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.kv_transfer import KVMeta, numpy_to_tensor, tensor_to_numpy
 from engine.execution.loader import LoadedModel
 from engine.execution.model import RMSNorm
+from engine.execution.persistent_batch import PersistentBatch
 from engine.execution.step_inputs import KVBlocks, StepBatch, StepSequence
 from engine.execution.lora import LoraStacks, LoraStep
 from engine.outputs import TokenLogprob
@@ -91,9 +92,10 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, blocks: KVBlocks, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, blocks: KVBlocks, config: EngineConfig, rows: PersistentBatch) -> None:
         self.loaded = loaded
         self.blocks = blocks
+        self.rows = rows  # the running rows' columns: a decode step's inputs and sampling controls
         self.device = loaded.device
         spec = loaded.spec
         # [layers, k/v, slots, kv_heads, head_dim], allocated once.
@@ -154,15 +156,17 @@ class ModelRunner:
                       spec.num_kv_heads, spec.head_dim, num_tokens, start)
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch, rows: list[SamplingRow], rows_per_entry: list[int]) -> StepResult:
+    def run(self, batch: StepBatch, rows: list[SamplingRow] | None, rows_per_entry: list[int]) -> StepResult:
         """One forward over every entry of ``batch``; sample ``rows_per_entry[i]`` rows from the
         last token of each entry that reaches its end (``rows``, in entry order: one per choice
         when a prompt's choices are sampled together; with k drafts, one per position of the
         last token and the drafts), and score the prompt tokens of entries whose sequence asked
-        for it."""
+        for it. ``rows`` None: a decode step whose rows sample from the persistent batch's columns."""
         for seq, first in batch.kv_imports:
             self.import_kv(seq, first)
         self.copy_blocks(batch.block_copies)
+        if batch.decode_only:
+            return self._run_decode(batch, rows)
         attention_seqs, sample_rows = [], []
         to_score = []  # (seq, first hidden row, first scored position, count)
         to_keep = []  # (seq, first hidden row, first position, count): context logits
@@ -200,7 +204,7 @@ class ModelRunner:
         if self._graph_eligible(batch, flat, rows_per_entry, table_rows, to_score, to_keep):
             logits = self.graphs.run(inputs[0, :flat], inputs[1, :flat], inputs[2, :flat],
                                      [s.block_table for s in attention_seqs])
-            return self._sample_step(logits, rows, [], [])
+            return self._sample_step(logits, rows, [], [], batch.slots)
         ids, positions, slot_mapping = self._inputs[:, :flat].to(self.device, non_blocking=True)
         attn = self.attention.prepare(slot_mapping, attention_seqs, self.windows, self.blocks.block_size, self.device)
         replaced = None
@@ -215,7 +219,30 @@ class ModelRunner:
         if not sample_rows:
             return StepResult(None, scores, context)
         logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [R, V]
-        return self._sample_step(logits, rows, scores, context)
+        return self._sample_step(logits, rows, scores, context, batch.slots)
+
+    def _run_decode(self, batch: StepBatch, rows: list[SamplingRow] | None) -> StepResult:
+        """A step of one decode token per entry, each sampling one row: its inputs and block
+        tables are gathers of the persistent batch by the entries' slots, no loop over rows."""
+        slots, block_size = batch.slots, self.blocks.block_size
+        n = len(slots)
+        inputs = self._inputs_np
+        inputs[0, :n], inputs[1, :n], inputs[2, :n] = self.rows.decode_inputs(slots, block_size)
+        tables = self.rows.tables[slots, :int(self.rows.table_len[slots].max())]  # [n, width] int32
+        positions = inputs[1, :n]
+        if self.graphs is not None and n <= self.graphs.max_batch and (self.rows.lora[slots] < 0).all():
+            logits = self.graphs.run(inputs[0, :n], positions, inputs[2, :n], tables)
+            return self._sample_step(logits, rows, [], [], slots)
+        ids, positions_t, slot_mapping = self._inputs[:, :n].to(self.device, non_blocking=True)
+        if hasattr(self.attention, "prepare_decode") and self.device.type == "cpu":
+            attn = self.attention.prepare_decode(slot_mapping, tables, positions.copy(), block_size)
+        else:  # the other backends take one AttentionSeq per row
+            lengths = self.rows.table_len[slots].tolist()
+            seqs = [AttentionSeq(i, 1, p, table[:length])
+                    for i, (p, table, length) in enumerate(zip(positions.tolist(), tables.tolist(), lengths))]
+            attn = self.attention.prepare(slot_mapping, seqs, self.windows, block_size, self.device)
+        hidden = self.loaded.model(ids, positions_t, attn, self.kv_cache, None, self._lora_step(batch, n))  # [n, H]
+        return self._sample_step(self.loaded.model.compute_logits(hidden), rows, [], [], slots)
 
     @staticmethod
     def _plan_row(seq: StepSequence, flat: int, n: int, start: int, repeat: int, drafted: int,
@@ -246,9 +273,13 @@ class ModelRunner:
                 and all(repeat == 1 for repeat in rows_per_entry)
                 and all(seq.lora is None for seq, _ in batch.entries))
 
-    def _sample_step(self, logits: torch.Tensor, rows: list[SamplingRow], scores: list[PromptScores],
-                     context: list[ContextRows]) -> StepResult:
-        """The step's result from the sampled rows' logits [R, V]."""
+    def _sample_step(self, logits: torch.Tensor, rows: list[SamplingRow] | None, scores: list[PromptScores],
+                     context: list[ContextRows], slots: np.ndarray) -> StepResult:
+        """The step's result from the sampled rows' logits [R, V]; ``rows`` None: every row samples
+        from its persistent-batch columns (``slots`` [R])."""
+        if rows is None:
+            columns = SamplingBatch.from_columns(self.rows.sampling_columns(slots), self.device)
+            return StepResult(self.sampler(logits, columns), scores, context)
         kept = None
         # Copied before the sampler works on them: rows that return them, and beams, which are scored on them.
         if any(row.params.return_generation_logits or row.params.beam_width > 1 for row in rows):

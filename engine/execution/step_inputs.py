@@ -51,6 +51,8 @@ class StepBatch(Protocol):
     drafted: list[int]  # per entry: draft tokens run after its last token
     kv_imports: list[tuple[StepSequence, int]]  # (sequence, first token to import) before the forward
     block_copies: list[tuple[int, int]]  # copy-on-write (source block, destination block) before the forward
+    slots: np.ndarray  # [E] int64: each entry's row in the persistent batch (engine/execution/persistent_batch.py)
+    decode_only: bool  # every entry one decode token that samples one row: the step is read from the columns
 
 
 class KVBlocks(Protocol):

@@ -49,10 +49,16 @@ class AttentionSeq:
     block_table: list[int]
 
 
-def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> np.ndarray:
+def fill_block_tables(out: np.ndarray, tables: list[list[int]] | np.ndarray) -> np.ndarray:
     """Write ``tables`` (one block table per sequence) into the rows of ``out`` [n, width],
     zero past each table's end; returns ``out``. One pass over the ids in C (a per-row numpy
-    copy costs more than the copy at decode-step sizes: 256 rows of ~36 blocks each)."""
+    copy costs more than the copy at decode-step sizes: 256 rows of ~36 blocks each). An array
+    [n, w] (the persistent batch's rows, 0 past each table's end) is copied as it is."""
+    if isinstance(tables, np.ndarray):
+        width = min(out.shape[1], tables.shape[1])
+        out[:, :width] = tables[:, :width]
+        out[:, width:] = 0
+        return out
     lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=out.dtype, count=int(lengths.sum()))
     out[...] = 0

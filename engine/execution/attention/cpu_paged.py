@@ -103,6 +103,17 @@ class PagedBackend:
                          columns[:, 2].contiguous(), block_size, chunks)
 
 
+    def prepare_decode(self, slot_mapping: torch.Tensor, tables: np.ndarray, positions: np.ndarray,
+                       block_size: int) -> PagedStep:
+        """A step of decode rows only, row i at ``positions[i]`` with block table ``tables[i]``
+        ([R, width] int32, 0 past each table's end): the persistent batch's rows, no per-row lists."""
+        if block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size: the cpu_paged attention takes at most {MAX_BLOCK_SIZE}")
+        rows = len(positions)
+        return PagedStep(slot_mapping, torch.from_numpy(np.ascontiguousarray(tables)), torch.arange(rows),
+                         torch.from_numpy(positions), torch.ones(rows, dtype=torch.int64), block_size, None)
+
+
 def backend(all_rows: bool = False) -> PagedBackend:
     """The backend, its kernel loaded (built first if this machine has not built it yet);
     ``all_rows``: prefill chunks on the kernel too (batch-invariant mode)."""

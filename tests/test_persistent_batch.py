@@ -1,0 +1,174 @@
+"""The persistent batch (engine/execution/persistent_batch.py): after every change to the running
+batch, its arrays equal the state rebuilt from the sequences alone.
+
+Model-free: the real scheduler and block manager, driven by random join / finish / abort /
+preempt / fork / token append (and the block appends it brings) over sequences with their own
+sampling and stop controls and LoRA adapters. Then the engine on a tiny model: the same check
+after each of its steps, over n choices, beams, stop ids and preemption.
+"""
+
+import random
+import time
+
+import numpy as np
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.execution.persistent_batch import NO_ROW, PersistentBatch
+from engine.llm_engine import LLMEngine
+from engine.lora_adapter import LoraAdapter
+from engine.request import GenerationRequest, Mode, PendingChoice, Sequence
+from engine.scheduler import ScheduledBatch, Scheduler
+from sampling import SamplingParams
+
+BLOCK = 4
+
+
+def assert_matches_rebuild(rows: PersistentBatch, running: list[Sequence]) -> None:
+    """The arrays of every running sequence equal a fresh batch's, joined from scratch; no other slot is taken."""
+    assert rows.num_running == len(running)
+    assert sorted(seq.row for seq in running) == sorted(set(seq.row for seq in running))
+    fresh = PersistentBatch(1, rows.table_width, rows.vocab_size)
+    fresh.adapters = dict(rows.adapters)  # adapter indices are the batch's own numbering
+    for seq in running:
+        assert rows.seqs[seq.row] is seq
+        for name, value in fresh.row_columns(seq).items():
+            column = getattr(rows, name)
+            np.testing.assert_array_equal(column[seq.row], np.asarray(value, dtype=column.dtype),
+                                          err_msg=f"{seq.key} {name}")
+        table = rows.tables[seq.row]
+        assert rows.table_len[seq.row] == len(seq.block_table)
+        assert table[:len(seq.block_table)].tolist() == seq.block_table, seq.key
+        assert not table[len(seq.block_table):].any()
+    taken = {seq.row for seq in running}
+    assert all(rows.seqs[slot] is None for slot in range(rows.capacity) if slot not in taken)
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    return SamplingParams(max_new_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.7, 1.0]),
+                          top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.1]),
+                          logprobs=rng.choice([None, 2]), ignore_eos=rng.random() < 0.5,
+                          repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
+                          stop_token_ids=rng.choice([[], [[7]], [[7], [8, 9]], [[1], [2], [3], [4], [5]]]),
+                          eos_token_id=rng.choice([None, 11]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_arrays_equal_a_rebuild_after_random_changes(seed):
+    rng = random.Random(seed)
+    blocks = BlockManager(num_blocks=40, block_size=BLOCK)
+    scheduler = Scheduler(blocks, max_num_seqs=6, max_num_batched_tokens=48,
+                          rows=PersistentBatch(2, 40, vocab_size=50))  # grows past 2 rows as they join
+    rows = scheduler.rows
+    adapters = [None] + [LoraAdapter.of(f"a{k}", {(0, "q"): (np.full((1, 2), k, np.float32),
+                                                           np.ones((2, 1), np.float32))}) for k in range(2)]
+    arrivals = iter(range(10**6))
+
+    def new_sequence() -> Sequence:
+        request = GenerationRequest(f"r{next(arrivals)}", [rng.randrange(3, 50) for _ in range(rng.randint(1, 14))],
+                                    random_params(rng), priority=rng.randint(1, 5))
+        seq = Sequence(request, rng.randrange(1, 2**64), next(arrivals), Mode.GENERATE, time.time() + 60,
+                       lora=rng.choice(adapters))
+        seq.eos_token_ids = [request.params.eos_token_id or 2]
+        seq.decode_side = rng.random() < 0.3
+        return seq
+
+    forks = 0
+    for _ in range(120):
+        action = rng.choice(["join", "join", "step", "step", "step", "finish", "abort", "preempt", "fork"])
+        running = list(scheduler.running)
+        if action == "join":
+            scheduler.add(new_sequence())
+        elif action == "step":  # block appends, joins (admission) and preemption happen in here
+            batch = scheduler.schedule()
+            assert batch.slots.tolist() == [seq.row for seq, _ in batch.entries]
+            scheduler.commit(batch)
+            for (seq, _), due in zip(batch.entries, batch.sampling):
+                if due and seq.row != NO_ROW:
+                    seq.token_ids.append(rng.randrange(3, 50))
+                    rows.write_token(seq)
+        elif action in ("finish", "abort") and running:
+            scheduler.remove(rng.choice(running))
+        elif action == "abort" and scheduler.waiting:  # one that never ran
+            scheduler.remove(rng.choice(scheduler.waiting))
+        elif action == "preempt" and running:
+            scheduler._preempt(rng.choice(running), ScheduledBatch())
+        elif action == "fork" and running:
+            parent = rng.choice(running)
+            forks += 1
+            child = scheduler.fork(parent, PendingChoice(forks, rng.randrange(1, 2**64)))
+            child.token_ids.append(rng.randrange(3, 50))
+            rows.write_token(child)
+        assert_matches_rebuild(rows, scheduler.running)
+    assert rows.capacity > 2
+
+
+def test_decode_step_gathers_equal_the_sequences():
+    """The decode inputs and stop verdicts from the arrays are those of the sequences."""
+    blocks = BlockManager(num_blocks=30, block_size=BLOCK)
+    scheduler = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = []
+    for k, (eos, stops, max_new) in enumerate([(2, [], 50), (11, [[7]], 50), (2, [], 2)]):
+        request = GenerationRequest(f"d{k}", list(range(3, 9 + k)),
+                                    SamplingParams(max_new_tokens=max_new, stop_token_ids=stops))
+        seq = Sequence(request, 5, k, Mode.GENERATE, time.time() + 60)
+        seq.eos_token_ids = [eos]
+        scheduler.add(seq)
+        seqs.append(seq)
+    batch = scheduler.schedule()  # the prompts
+    scheduler.commit(batch)
+    for seq in seqs:
+        seq.token_ids.append(20)
+        scheduler.rows.write_token(seq)
+    batch = scheduler.schedule()
+    assert batch.decode_only
+    ids, positions, slots = scheduler.rows.decode_inputs(batch.slots, BLOCK)
+    assert ids.tolist() == [seq.token_ids[-1] for seq, _ in batch.entries]
+    assert positions.tolist() == [seq.num_tokens - 1 for seq, _ in batch.entries]
+    assert slots.tolist() == [blocks.slot(seq, seq.num_tokens - 1) for seq, _ in batch.entries]
+    scheduler.commit(batch)
+    sampled = np.array([2, 7, 30])  # d0: EOS; d1: its stop id (its EOS is 11); d2: its second token, its cap
+    scheduler.rows.append_tokens(batch.slots, sampled)
+    eos, stop, length = scheduler.rows.stops(batch.slots, sampled, max_model_len=1000, max_iter_times=1000)
+    by_id = {seq.request_id: k for k, (seq, _) in enumerate(batch.entries)}
+    assert [eos[by_id[r]] for r in ("d0", "d1", "d2")] == [True, False, False]
+    assert [stop[by_id[r]] for r in ("d0", "d1", "d2")] == [False, True, False]
+    assert [length[by_id[r]] for r in ("d0", "d1", "d2")] == [False, False, True]
+
+
+def test_engine_steps_keep_the_arrays_equal_to_a_rebuild():
+    """A tiny model's engine, a small pool (preemption), n choices, beams and stop ids: the arrays
+    match the running sequences after every step, and every request ends."""
+    engine = LLMEngine(EngineConfig(model="tiny-llama", block_size=4, num_blocks=48, max_num_seqs=8,
+                                    max_num_batched_tokens=64))
+    specs = [dict(n=3, params=SamplingParams(max_new_tokens=14, temperature=0.8, seed=3)),
+             dict(params=SamplingParams(max_new_tokens=12, beam_width=2)),
+             dict(params=SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[[5], [6, 7]])),
+             dict(params=SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True), priority=1),
+             dict(params=SamplingParams(max_new_tokens=9, temperature=1.0, logprobs=2, repetition_penalty=1.3))]
+    for k, spec in enumerate(specs * 2):
+        engine.add_request(GenerationRequest(f"e{k}", list(range(10 + k, 40 + 3 * k)), **spec))
+    finished = set()
+    steps = 0
+    while engine.has_work():
+        finished |= {(o.request_id, o.index) for o in engine.step() if o.finished}
+        assert_matches_rebuild(engine.rows, engine.scheduler.running)
+        steps += 1
+    assert engine.scheduler.num_preemptions > 0, "the pool was meant to run out"
+    assert {rid for rid, _ in finished} == {f"e{k}" for k in range(2 * len(specs))}
+    assert engine.rows.num_running == 0
+
+
+def test_a_resumed_prefill_whose_context_ends_in_one_uncached_token_hands_over():
+    """PREFILL of a resumed request whose context is cached but for its last token: that step is
+    one decode-like token per entry, and still ends in the hand-over to D, not a decoded token."""
+    engine = LLMEngine(EngineConfig(model="tiny-llama", block_size=4, num_blocks=64, enable_prefix_caching=True))
+    prompt = list(range(20, 28))  # two blocks
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    first = engine.generate([GenerationRequest("whole", prompt, params)])["whole"].output_token_ids
+    longer = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)  # not ended by its next token
+    resumed = GenerationRequest("resumed", prompt, longer, resumed_output_ids=first[:5])  # 13 tokens: 12 cached
+    out = engine.prefill([resumed])["resumed"]
+    assert not out.finished and out.prefill is not None and out.new_token_ids == [first[5]]
+    assert engine.blocks.counts().held == 0  # P keeps nothing
