@@ -27,6 +27,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests import memory, workers  # noqa: E402
 from tests.models import ARCHITECTURES, llama_head_128, make_random_model  # noqa: E402
 
 
@@ -35,7 +36,9 @@ def pytest_collection_modifyitems(config, items: list) -> None:
     the suite's shared Ray (tests/serving.py), and a module after it would start that Ray again and
     deploy the kept applications again (~60 s each time on two cores). Otherwise the order stays.
     Tests marked ``cuda`` need a GPU: without one they are left out, and the run's summary says
-    how many and why (pytest_terminal_summary)."""
+    how many and why (pytest_terminal_summary). Each module is one unit of pytest-xdist's
+    ``--dist loadgroup`` (its module-scoped engines built once), and every served module is in one
+    unit, "served" (tests/workers.py)."""
     items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)
     if not torch.cuda.is_available():
         left_out = [item for item in items if item.get_closest_marker("cuda") is not None]
@@ -43,8 +46,11 @@ def pytest_collection_modifyitems(config, items: list) -> None:
             config.hook.pytest_deselected(items=left_out)
             items[:] = [item for item in items if item.get_closest_marker("cuda") is None]
             config.stash[CUDA_LEFT_OUT] = len(left_out)
+    workers.group_by_module(items)
 
 
+# xdist's own hook appends each test's group to its id: the groups must be set before it runs.
+pytest_collection_modifyitems = pytest.hookimpl(tryfirst=True)(pytest_collection_modifyitems)
 CUDA_LEFT_OUT = pytest.StashKey[int]()
 
 
@@ -53,6 +59,17 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     if left_out:
         terminalreporter.write_line(f"{left_out} tests marked cuda left out: this machine has no CUDA device (they "
                                     "run where one is; the kernels' source ran here under Triton's interpreter)")
+    memory.summary(terminalreporter, config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """A pytest-xdist worker's driver memory, sent with its end (``memory.worker_finished``)."""
+    memory.collect_worker(node)
+
+
+def pytest_sessionfinish(session) -> None:
+    memory.worker_finished(session.config)
 
 
 @pytest.fixture(scope="session")
@@ -80,10 +97,11 @@ def shared_ray_stops_at_the_end():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def module_garbage_collected():
+def module_garbage_collected(request):
     """A module's engines and models are freed when it ends: an engine is part of reference cycles,
     so only the cyclic collector frees its KV pool and weights, and it may not run for many
     modules. The served modules' replicas need that memory (Ray's monitor kills workers past
-    95 % of the machine's)."""
+    95 % of the machine's). The driver's RSS after the collection is noted for the run's summary."""
     yield
     gc.collect()
+    memory.module_ended(request.module.__name__)

@@ -19,6 +19,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The names by which a test module starts Ray + Serve: tests/workers.py runs every module that uses
+# one in the one worker that runs the served modules.
+STARTS_SERVE = ("serve_session", "shared_url", "kept_app", "kept_apps", "openai_apps", "agents_app", "ray.init")
 PROXY_START_ATTEMPTS = 3  # a free port can be taken before the proxy binds it: pick another
 SUITE_CPUS = 16  # logical CPUs of the suite's shared Ray: room for the largest module's apps beside the kept ones
 
