@@ -101,7 +101,9 @@ def module_garbage_collected(request):
     """A module's engines and models are freed when it ends: an engine is part of reference cycles,
     so only the cyclic collector frees its KV pool and weights, and it may not run for many
     modules. The served modules' replicas need that memory (Ray's monitor kills workers past
-    95 % of the machine's). The driver's RSS after the collection is noted for the run's summary."""
+    95 % of the machine's). The freed memory is handed back to the system (``memory.trim``), and the
+    driver's RSS after that is noted for the run's summary."""
     yield
     gc.collect()
+    memory.trim()
     memory.module_ended(request.module.__name__)

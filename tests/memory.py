@@ -6,6 +6,8 @@ the worker's end (``config.workeroutput``)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 
 import psutil
@@ -15,6 +17,17 @@ GB = 1024**3
 
 _module_ends: list[tuple[str, int]] = []  # (module, driver RSS after it ended), this process's
 _workers: dict[str, dict] = {}  # xdist worker id -> its figures, on the controller
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
+
+
+def trim() -> None:
+    """Hand the heap's free pages back to the system. glibc keeps freed memory for reuse, and after
+    large tensors are freed its mmap threshold has grown (up to 32 MB), so a module's weights and KV
+    pools, once collected, still count in the driver's RSS until this."""
+    if hasattr(_LIBC, "malloc_trim"):  # glibc; elsewhere the allocator keeps its own policy
+        _LIBC.malloc_trim(0)
 
 
 def module_ended(module: str) -> None:
