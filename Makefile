@@ -75,7 +75,7 @@ redis:
 
 test: install browser redis
 	$(PY) benchmarks/kernel_isa_paths.py --build-only
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2
 
 bench: install
 	$(PY) benchmarks/engine_throughput.py --json benchmarks/engine_throughput.json

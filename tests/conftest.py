@@ -36,9 +36,7 @@ def pytest_collection_modifyitems(config, items: list) -> None:
     the suite's shared Ray (tests/serving.py), and a module after it would start that Ray again and
     deploy the kept applications again (~60 s each time on two cores). Otherwise the order stays.
     Tests marked ``cuda`` need a GPU: without one they are left out, and the run's summary says
-    how many and why (pytest_terminal_summary). Each module is one unit of pytest-xdist's
-    ``--dist loadgroup`` (its module-scoped engines built once), and every served module is in one
-    unit, "served" (tests/workers.py)."""
+    how many and why (pytest_terminal_summary)."""
     items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)
     if not torch.cuda.is_available():
         left_out = [item for item in items if item.get_closest_marker("cuda") is not None]
@@ -46,11 +44,8 @@ def pytest_collection_modifyitems(config, items: list) -> None:
             config.hook.pytest_deselected(items=left_out)
             items[:] = [item for item in items if item.get_closest_marker("cuda") is None]
             config.stash[CUDA_LEFT_OUT] = len(left_out)
-    workers.group_by_module(items)
 
 
-# xdist's own hook appends each test's group to its id: the groups must be set before it runs.
-pytest_collection_modifyitems = pytest.hookimpl(tryfirst=True)(pytest_collection_modifyitems)
 CUDA_LEFT_OUT = pytest.StashKey[int]()
 
 
@@ -60,6 +55,12 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         terminalreporter.write_line(f"{left_out} tests marked cuda left out: this machine has no CUDA device (they "
                                     "run where one is; the kernels' source ran here under Triton's interpreter)")
     memory.summary(terminalreporter, config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist: each module one unit, the served modules one unit together (tests/workers.py)."""
+    return workers.make_scheduler(config, log)
 
 
 @pytest.hookimpl(optionalhook=True)
