@@ -27,6 +27,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests import memory, workers  # noqa: E402
 from tests.models import ARCHITECTURES, llama_head_128, make_random_model  # noqa: E402
 
 
@@ -53,6 +54,23 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     if left_out:
         terminalreporter.write_line(f"{left_out} tests marked cuda left out: this machine has no CUDA device (they "
                                     "run where one is; the kernels' source ran here under Triton's interpreter)")
+    memory.summary(terminalreporter, config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist: each module one unit, the served modules one unit together (tests/workers.py)."""
+    return workers.make_scheduler(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """A pytest-xdist worker's driver memory, sent with its end (``memory.worker_finished``)."""
+    memory.collect_worker(node)
+
+
+def pytest_sessionfinish(session) -> None:
+    memory.worker_finished(session.config)
 
 
 @pytest.fixture(scope="session")
@@ -80,10 +98,13 @@ def shared_ray_stops_at_the_end():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def module_garbage_collected():
+def module_garbage_collected(request):
     """A module's engines and models are freed when it ends: an engine is part of reference cycles,
     so only the cyclic collector frees its KV pool and weights, and it may not run for many
     modules. The served modules' replicas need that memory (Ray's monitor kills workers past
-    95 % of the machine's)."""
+    95 % of the machine's). The freed memory is handed back to the system (``memory.trim``), and the
+    driver's RSS after that is noted for the run's summary."""
     yield
     gc.collect()
+    memory.trim()
+    memory.module_ended(request.module.__name__)

@@ -19,6 +19,8 @@ from pathlib import Path
 import threading
 import time
 from types import SimpleNamespace
+from typing import Callable
+import weakref
 
 from fastapi import FastAPI, Request
 import httpx
@@ -79,9 +81,9 @@ def ingress_view(engine: AsyncEngine, args: AppArgs, tokenizer_dir: Path | None 
     return SimpleNamespace(openai=OpenAIServing(client), mindie=MindIEServing(client), responses=ResponseStore())
 
 
-def routes_app(view: SimpleNamespace) -> FastAPI:
-    """ROUTES bound to the ingress's methods on ``view``, with the real app's error handlers (each
-    answering in its route's dialect) and what its middleware sets for the routes."""
+def routes_app(view_of: Callable[[], SimpleNamespace]) -> FastAPI:
+    """ROUTES bound to the ingress's methods on ``view_of()``, with the real app's error handlers
+    (each answering in its route's dialect) and what its middleware sets for the routes."""
     app = FastAPI()
     for kind, handler in http_app.app.exception_handlers.items():
         app.add_exception_handler(kind, handler)
@@ -92,15 +94,17 @@ def routes_app(view: SimpleNamespace) -> FastAPI:
         return await call_next(request)
 
     for path, name in ROUTES.items():
-        app.post(path)(bound(view, getattr(Ingress.func_or_class, name)))
+        app.post(path)(bound(view_of, getattr(Ingress.func_or_class, name)))
     return app
 
 
-def bound(view: SimpleNamespace, method):
-    """``method`` (the ingress's route) as a route function of (body, http) on ``view``, its
-    body's type the route's own."""
+def bound(view_of: Callable[[], SimpleNamespace], method):
+    """``method`` (the ingress's route) as a route function of (body, http) on ``view_of()``, its
+    body's type the route's own. The view is looked up at each call, not held: FastAPI keeps every
+    route function in a module-level cache (fastapi.dependencies.models), and a route holding its
+    view kept the view's engine, KV pool and weights, in the driver for the rest of the suite."""
     async def route(body, http: Request):
-        return await method(view, body, http)
+        return await method(view_of(), body, http)
 
     route.__annotations__ = {"body": method.__annotations__["body"], "http": Request}
     return route
@@ -114,7 +118,8 @@ class InProcessApp:
                  owns_engine: bool = True) -> None:
         self.engine, self._owns_engine = engine, owns_engine
         self.view = ingress_view(engine, args, tokenizer_dir)
-        self.app = routes_app(self.view)
+        this = weakref.ref(self)  # the routes outlive the app in FastAPI's cache (bound)
+        self.app = routes_app(lambda: this().view)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="in-process-app", daemon=True)
         self._thread.start()

@@ -19,6 +19,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The names by which a test module starts Ray + Serve: tests/workers.py runs every module that uses
+# one in the one worker that runs the served modules.
+STARTS_SERVE = ("serve_session", "shared_url", "kept_app", "kept_apps", "openai_apps", "agents_app", "ray.init")
 PROXY_START_ATTEMPTS = 3  # a free port can be taken before the proxy binds it: pick another
 SUITE_CPUS = 16  # logical CPUs of the suite's shared Ray: room for the largest module's apps beside the kept ones
 
@@ -60,17 +63,73 @@ def serve_session(num_cpus: int | None = None, address: str | None = None):
 
 def deploy(apps: dict, route_prefixes: dict[str, str] | None = None, together: bool = True) -> None:
     """Deploy every application of ``apps`` (name -> Application, at "/<name>" unless
-    ``route_prefixes`` names another), and wait until all run. ``together``: in one call, their
-    replicas starting together, so no app waits for the one before it to finish starting; else one
-    app after the other, for apps whose replicas load a real model (several loading at once take the
-    2-core box's 24 GB past Ray's memory threshold, and its monitor kills workers)."""
+    ``route_prefixes`` names another), and wait until all run (``wait_running``). ``together``: in one
+    call, their replicas starting together, so no app waits for the one before it to finish starting;
+    else one app after the other, for apps whose replicas load a real model (several loading at once
+    take the 2-core box's 24 GB past Ray's memory threshold, and its monitor kills workers)."""
     from ray import serve
 
     prefixes = route_prefixes or {}
     targets = [serve.RunTarget(target=app, name=name, route_prefix=prefixes.get(name, f"/{name}"))
                for name, app in apps.items()]
     for batch in [targets] if together else [[target] for target in targets]:
-        serve.run_many(batch)
+        serve.run_many(batch, wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        wait_running([target.name for target in batch])
+
+
+# A deployment that stops getting closer to running fails its setup this many seconds after its last
+# step (a replica placed, started, stopped or changed state), naming itself and Serve's reason: a
+# replica that cannot be placed, one that keeps failing. Serve's own wait has no bound, and the test
+# waited out pytest's 600 s. A replica whose constructor is running (loading a model, slowly on a
+# loaded box) has REPLICA_START_S instead: Serve says so in the deployment's message ("...to
+# initialize"), as it says "...to be scheduled" of one it cannot place.
+DEPLOY_STALL_S = 120
+REPLICA_START_S = 300
+# The other served waits' bounds, each on a condition polled (wait_until), generous for a loaded 2-core
+# box: they end a test that would otherwise hang, they are no verdict on speed (benchmarks/ has those).
+REPLICA_RESTART_S = 300  # a killed or stuck replica replaced by a running one
+AUTOSCALE_S = 90  # an autoscaled deployment back to its replicas at rest once its load is gone
+HEALTHY_AGAIN_S = 180  # an app's /health answering ok again after a fault
+
+
+def wait_running(apps: list[str]) -> None:
+    """Until every application of ``apps`` runs. Fails at once when one failed to deploy, or after
+    ``DEPLOY_STALL_S`` without a step (``REPLICA_START_S`` while a replica's constructor runs), naming
+    each deployment not running, its replicas' states and Serve's message."""
+    from ray import serve
+
+    last, last_step = None, time.monotonic()
+    while True:
+        statuses = serve.status().applications
+        now = {name: statuses.get(name) for name in apps}
+        if all(app is not None and app.status == "RUNNING" for app in now.values()):
+            return
+        failed = [name for name, app in now.items() if app is not None and app.status == "DEPLOY_FAILED"]
+        assert not failed, f"failed to deploy: {_not_running(now)}"
+        steps = {name: app and (app.status, {deployment: (status.status, status.replica_states)
+                                             for deployment, status in app.deployments.items()})
+                 for name, app in now.items()}
+        if steps != last:
+            last, last_step = steps, time.monotonic()
+        initializing = any("to initialize" in (status.message or "") for app in now.values() if app is not None
+                           for status in app.deployments.values())
+        bound = REPLICA_START_S if initializing else DEPLOY_STALL_S
+        assert time.monotonic() - last_step < bound, f"not running, no step for {bound} s: {_not_running(now)}"
+        time.sleep(0.5)
+
+
+def _not_running(apps: dict) -> str:
+    """Each application and deployment of ``apps`` that does not run: its status, replicas and Serve's message."""
+    lines = []
+    for name, app in apps.items():
+        if app is None:
+            lines.append(f"{name}: not known to Serve")
+            continue
+        lines.extend(f"{name}/{deployment}: {status.status} {dict(status.replica_states)} {status.message}".strip()
+                     for deployment, status in app.deployments.items() if status.status != "HEALTHY")
+        if app.message:
+            lines.append(f"{name}: {app.status} {app.message}")
+    return "; ".join(lines) or "(every deployment healthy)"
 
 
 def kept_app(name: str, build, route_prefix: str | None = None) -> str:

@@ -15,7 +15,6 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from ray import serve
 import torch
 from transformers import AutoTokenizer
 
@@ -23,7 +22,7 @@ from deployments.app import pd_app
 from deployments.replicas.embeddings import default_model_dir
 from engine.execution.tiny_model import ensure_tiny_model
 from tests.models import load_hf
-from tests.serving import serve_session, sse_events
+from tests.serving import deploy, serve_session, sse_events
 
 MODEL = "tiny-llama"
 CAP = 16  # max_iter_times: keeps schemathesis' largest valid requests small
@@ -33,9 +32,8 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 @pytest.fixture(scope="module")
 def base_url():
     with serve_session() as url:
-        serve.run(pd_app({"torch_threads": 1, "max_iter_times": CAP, "dtype": "float32",
-                          "pd_local_prefill_tokens": 0}), name="pd",
-                  route_prefix="/")
+        deploy({"pd": pd_app({"torch_threads": 1, "max_iter_times": CAP, "dtype": "float32",
+                              "pd_local_prefill_tokens": 0})}, {"pd": "/"})
         yield url
 
 

@@ -6,13 +6,12 @@ import anthropic
 import httpx
 import openai
 import pytest
-from ray import serve
 
 from deployments.app import colocated_app
 from deployments.config import AppArgs
 from dialects.auth import check_api_key, is_open, route_path
 from dialects.errors import APIError
-from tests.serving import serve_session
+from tests.serving import deploy, serve_session
 
 KEY = "sk-test-4f1c"
 MODEL = "tiny-llama"
@@ -49,8 +48,7 @@ def test_the_key_comes_from_the_environment_unless_given(monkeypatch):
 @pytest.fixture(scope="module")
 def base_url():
     with serve_session() as url:
-        serve.run(colocated_app({"torch_threads": 1, "max_iter_times": 16, "embeddings": False, "api_key": KEY}),
-                  name="co", route_prefix="/co")
+        deploy({"co": colocated_app({"torch_threads": 1, "max_iter_times": 16, "embeddings": False, "api_key": KEY})})
         yield f"{url}/co"
 
 

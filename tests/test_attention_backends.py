@@ -102,7 +102,7 @@ def runnable_builds() -> list[str]:
 def test_each_instruction_set_build_equals_the_reference(monkeypatch):
     """The kernel transposes keys with AVX-512 or AVX2 register transposes, or a plain loop,
     chosen at compile time; the suite's other tests run this CPU's own. Here every build this
-    CPU can run (its own is the installed one; `make install` compiles the others into torch's
+    CPU can run (its own is the installed one; `make test` compiles the others into torch's
     extension cache, a minute each on 2 cores, and they are loaded from it) is compared with the
     reference, and the builds with each other: the transposes move data only, so the bits are
     the same."""

@@ -28,8 +28,9 @@ from deployments.failures import client_error
 from dialects.errors import APIError
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import (RAY_INTERNALS, assert_nothing_held, call_replica, deploy, migrations, processes,
-                           replica_process, replicas, serve_session, sigkill, stopped, wait_until)
+from tests.serving import (HEALTHY_AGAIN_S, RAY_INTERNALS, REPLICA_RESTART_S, assert_nothing_held, call_replica,
+                           deploy, migrations, processes, replica_process, replicas, serve_session, sigkill, stopped,
+                           wait_until)
 
 LONG = 800  # tokens a stream asks for: it is still running when the replica is killed (~5 s of decoding here)
 DECODE_REPLICAS = 2
@@ -193,7 +194,7 @@ def serving_resumes(url: str, killed: str, role: str = "DecodeServer", count: in
         running = serve.status().applications["pd"].deployments[role].replica_states.get("RUNNING", 0)
         return killed not in replicas(role, "pd") and len(replicas(role, "pd")) == count == running
 
-    assert wait_until(replaced, 300, 0.5), serve.status().applications["pd"].deployments[role]
+    assert wait_until(replaced, REPLICA_RESTART_S, 0.5), serve.status().applications["pd"].deployments[role]
     eventually_ok(url)
 
 
@@ -309,7 +310,7 @@ def test_no_decode_replica_answering_p_serves_alone_then_pd_comes_back(base_url)
     assert migrations(base_url) == migrated_before + 1  # the waiting one moved, once
     assert served_by_p_alone(base_url) == alone_before + 9
     # D runs again: it answers the probes, /health is ok again, and new requests go through P then D.
-    assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).json()["status"] == "ok", 120, 0.5)
+    assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).json()["status"] == "ok", HEALTHY_AGAIN_S, 0.5)
     alone = served_by_p_alone(base_url)
     assert reference_text(base_url, path, degraded_body(0)) == references[0]
     assert served_by_p_alone(base_url) == alone

@@ -15,7 +15,7 @@ from deployments.app import pd_app
 from deployments.config import AppArgs
 from deployments.ingress.ingress import Ingress
 from deployments.replicas.servers import DecodeServer, PrefillServer
-from tests.serving import serve_session, wait_until
+from tests.serving import deploy, serve_session, wait_until
 
 pytestmark = pytest.mark.own_ray  # a 2-CPU Ray of its own: placement is what it tests
 
@@ -44,12 +44,11 @@ def base_url():
     try:
         with serve_session(num_cpus=2) as url:
             # The default PD app (P and D: one CPU each) and the embedder, on 2 CPUs: it must place.
-            serve.run(pd_app({"torch_threads": 1, "traces_exporter": "console", "pd_local_prefill_tokens": 0}),
-                      name="pd", route_prefix="/pd")
+            deploy({"pd": pd_app({"torch_threads": 1, "traces_exporter": "console", "pd_local_prefill_tokens": 0})})
             # D cannot hold the canary's 32-token prompt: one KV block of 16 tokens.
             smalld = custom_pd({"torch_threads": 1, "embeddings": False, "pd_local_prefill_tokens": 0},
                                {"num_blocks": 1}, 0)
-            serve.run(smalld, name="smalld", route_prefix="/smalld")
+            deploy({"smalld": smalld})
             # D asks for more CPUs than the cluster has: never placed.
             serve._run(custom_pd({"torch_threads": 1, "embeddings": False}, {}, 8), name="unplaced",
                        route_prefix="/unplaced", _blocking=False)

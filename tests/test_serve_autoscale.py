@@ -7,7 +7,7 @@ import pytest
 from ray import serve
 
 from deployments.app import pd_app
-from tests.serving import serve_session, sse_events, wait_until
+from tests.serving import AUTOSCALE_S, deploy, serve_session, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def test_decode_scales_out_and_back():
     with serve_session() as url:
         app = pd_app({"torch_threads": 1, "pd_local_prefill_tokens": 0},
                            decode_options={"autoscaling_config": AUTOSCALING, "ray_actor_options": {"num_cpus": 1}})
-        serve.run(app, name="pd", route_prefix="/pd")
+        deploy({"pd": app})
         assert running_replicas("DecodeServer") == 1
         peak = 0
 
@@ -64,4 +64,4 @@ def test_decode_scales_out_and_back():
         assert all(status == 200 for status, _ in results)
         assert all(events[-1]["details"]["generated_tokens"] == 600 for _, events in results)
         assert peak >= 2, "the burst should have scaled D out"
-        assert wait_until(lambda: running_replicas("DecodeServer") == 1, timeout_s=90)
+        assert wait_until(lambda: running_replicas("DecodeServer") == 1, timeout_s=AUTOSCALE_S)

@@ -19,13 +19,13 @@ import anthropic
 import httpx
 import openai
 import pytest
-from ray import serve
 
 from deployments.app import pd_app
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from tests.serving import (RAY_INTERNALS, assert_nothing_held, call_replica, migrations, processes, replica_process,
-                           replicas, serve_session, sigkill, stopped, wait_until, work_done)
+from tests.serving import (HEALTHY_AGAIN_S, RAY_INTERNALS, REPLICA_RESTART_S, assert_nothing_held, call_replica,
+                           deploy, migrations, processes, replica_process, replicas, serve_session, sigkill, stopped,
+                           wait_until, work_done)
 from tests.test_faults import LONG, reference_texts, streams_running
 
 APP = "stalls"
@@ -43,13 +43,13 @@ def base_url():
         # every second, so a stuck step is replaced in seconds.
         options = {"num_replicas": 2, "health_check_period_s": 1, "graceful_shutdown_timeout_s": 2,
                    "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": {"PDSERVE_FAULT_HOOKS": "1"}}}}
-        serve.run(pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
-                          "kv_lease_s": 6, "stall_timeout_s": STALL_TIMEOUT_S, "step_timeout_s": STEP_TIMEOUT_S,
-                          "pd_local_prefill_tokens": 0, "admission_tokens_per_replica": TOKENS_PER_REPLICA,
-                          "pd_degrade_to_prefill": False, "kv_transport": "shared_memory"},
-                         prefill_options=options, decode_options=options), name=APP, route_prefix=f"/{APP}")
+        deploy({APP: pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
+                             "kv_lease_s": 6, "stall_timeout_s": STALL_TIMEOUT_S, "step_timeout_s": STEP_TIMEOUT_S,
+                             "pd_local_prefill_tokens": 0, "admission_tokens_per_replica": TOKENS_PER_REPLICA,
+                             "pd_degrade_to_prefill": False, "kv_transport": "shared_memory"},
+                            prefill_options=options, decode_options=options)})
         url = f"{url}/{APP}"
-        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, 180, 1)
+        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, HEALTHY_AGAIN_S, 1)
         yield url
 
 
@@ -152,7 +152,7 @@ def test_a_step_that_does_not_end_its_replica_is_replaced_and_its_streams_move_a
           f"(step_timeout_s={STEP_TIMEOUT_S}, health checks every 1 s, 3 failures)")
     assert migrations(base_url) > before  # counted as the moved streams end: they moved, and completed
     assert streamed == expected
-    assert wait_until(lambda: len(replicas("DecodeServer", APP)) == 2, 180, 0.5)  # and started another
+    assert wait_until(lambda: len(replicas("DecodeServer", APP)) == 2, REPLICA_RESTART_S, 0.5)  # and started another
 
 
 def burst_request(url: str, dialect: str, i: int):
@@ -240,7 +240,7 @@ def test_without_degradation_no_decode_replica_answering_is_a_clean_503_at_once(
         assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
         assert response.json()["error"]["code"] == "no_decode_replica", response.text
         assert not RAY_INTERNALS.search(response.text), response.text
-    assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).status_code == 200, 180, 0.5)
+    assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).status_code == 200, HEALTHY_AGAIN_S, 0.5)
     assert httpx.post(f"{base_url}{requests[0][0]}", json=requests[0][1], timeout=60).status_code == 200
 
 
@@ -257,4 +257,4 @@ def test_health_turns_503_once_every_decode_replica_is_killed(base_url):
     assert body["deployments"]["DecodeServer"] == {"status": "failing", "reason": "no live replica"}, body
     assert "canary" not in body, body
     # Serve starts new D replicas; /health says so once a canary goes through them.
-    assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).status_code == 200, 180, 1)
+    assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).status_code == 200, HEALTHY_AGAIN_S, 1)
