@@ -14,6 +14,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, Valid
 
 from dialects.json_types import Seed, StrictModel, only
 from dialects.openai_schema import MAX_STOP, MAX_TOOLS, MODEL_NAME_PATTERN, NAME_PATTERN
+from dialects.serving_fields import Priority, Timeout
 from dialects.through_chat import located
 
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
@@ -235,8 +236,8 @@ class MessagesRequest(CountTokensRequest):
     workspace_id: StrictStr | None = Field(None, description="accepted; identifies the caller, changes nothing")
     # Extensions, as on chat.
     seed: Seed | None = None
-    priority: StrictInt = Field(5, ge=1, le=5, description="1 is served first")
-    timeout: StrictInt = Field(600, gt=0, le=3600, description="seconds, queueing and generation together")
+    priority: Priority
+    timeout: Timeout
 
     @model_validator(mode="after")
     def _budget_below_max_tokens(self):

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from dialects.json_types import Seed, StrictModel, TokenId, sse_event
+from dialects.serving_fields import IgnoreEos, Priority, Timeout
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, RequestOutput
 from engine.lora_adapter import LoraRef
 from engine.request import DraftTokens, GenerationRequest, PromptTable
@@ -59,8 +60,8 @@ class InferParameters(StrictModel):
     details: StrictBool = False
     typical_p: StrictFloat = Field(1.0, gt=0.0, le=1.0, description="accepted; no effect (as the document says)")
     watermark: StrictBool = Field(False, description="accepted; no effect (as the document says)")
-    priority: StrictInt = Field(5, ge=1, le=5, description="1 is served first")
-    timeout: StrictInt = Field(600, gt=0, le=3600, description="seconds, queueing and generation together")
+    priority: Priority
+    timeout: Timeout
     # Extensions from TensorRT-LLM's InferenceRequest.
     min_length: StrictInt = Field(0, ge=0, description="EOS is masked until this many new tokens")
     no_repeat_ngram_size: StrictInt = Field(0, ge=0)
@@ -75,7 +76,7 @@ class InferParameters(StrictModel):
                                                           "not returned here, true is refused")
     return_log_probs: StrictBool = False
     top_log_probs: StrictInt = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token")
-    ignore_eos: StrictBool = False
+    ignore_eos: IgnoreEos
     return_context_logits: StrictBool = Field(
         False, description="details.context_logits: the prompt's raw logits [input tokens, vocab] (docs/serving.md)")
     return_generation_logits: StrictBool = Field(

@@ -15,7 +15,8 @@ from pydantic import (Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, St
                       field_validator, model_validator)
 
 from dialects.json_types import Seed, StrictModel, TokenId, check_stream_options, only
-from engine.request import MAX_CHOICES
+from dialects.serving_fields import IgnoreEos, Timeout, VllmPriority
+from engine.request import MAX_CHOICES, PRIORITY_MAX
 from sampling.grammar import Grammar
 from sampling.params import MAX_TOP_LOGPROBS
 
@@ -93,9 +94,9 @@ class SamplingFields(StrictModel):
     logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = None
     user: StrictStr | None = Field(None, description="accepted; identifies the caller, changes nothing")
     # Extensions, as on /infer_token.
-    priority: StrictInt = Field(5, ge=0, le=5, description="1 is served first, 5 last; 0 (vLLM's default) is 5")
-    timeout: StrictInt = Field(600, gt=0, le=3600, description="seconds, queueing and generation together")
-    ignore_eos: StrictBool = False
+    priority: VllmPriority
+    timeout: Timeout
+    ignore_eos: IgnoreEos
     # vLLM's sampling extensions (docs/api.md): each reaches the engine's own control.
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top one's probability")
     repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=2.0, description="transformers' rule over prompt and "
@@ -122,7 +123,7 @@ class SamplingFields(StrictModel):
     @field_validator("priority")
     @classmethod
     def _vllm_default_priority(cls, priority: int) -> int:
-        return 5 if priority == 0 else priority  # vLLM's default 0 is "no priority": served as the default here
+        return PRIORITY_MAX if priority == 0 else priority  # vLLM's default 0 is "no priority": served as the default here
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -14,6 +14,7 @@ from pydantic import (Field, StrictBool, StrictFloat, StrictInt, StrictStr, Vali
 
 from dialects.json_types import Seed, StrictModel, check_stream_options, only
 from dialects.openai_schema import MAX_TOOLS, MODEL_NAME_PATTERN, NAME_PATTERN, ServiceTier
+from dialects.serving_fields import Priority, Timeout
 from dialects.through_chat import located
 
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
@@ -233,8 +234,8 @@ class ResponsesRequest(StrictModel):
     # Extensions, as on chat.
     seed: Seed | None = None
     top_k: StrictInt | None = Field(None, gt=0)
-    priority: StrictInt = Field(5, ge=1, le=5, description="1 is served first")
-    timeout: StrictInt = Field(600, gt=0, le=3600, description="seconds, queueing and generation together")
+    priority: Priority
+    timeout: Timeout
     # Refused unless null (UNSUPPORTED says why).
     background: Annotated[StrictBool | None, only(False, None, description=UNSUPPORTED["background"])] = None
     conversation: Annotated[Any, only(None, description=UNSUPPORTED["conversation"])] = None

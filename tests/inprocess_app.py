@@ -65,9 +65,8 @@ class InProcessBackend:
     def __init__(self, engine: AsyncEngine, tokenizer_dir: Path | None = None) -> None:
         self.engine, self.handles = engine, {"LLMServer": EngineHandle(engine, tokenizer_dir)}
 
-    async def stream(self, request, trace=None):
-        async for output in self.engine.generate(request):
-            yield output
+    def stream(self, request, trace=None):
+        return self.engine.generate_batches(request)
 
 
 def ingress_view(engine: AsyncEngine, args: AppArgs, tokenizer_dir: Path | None = None) -> SimpleNamespace:

@@ -1,16 +1,15 @@
 """Admission control (deployments/ingress/admission.py), in-process: budgets counted in tokens and requests
 per role and per replica, priority's headroom at the bound, and charges released exactly once.
-The burst through every dialect against a running app is in tests/test_stalls.py."""
+The burst through every dialect against a running app is in tests/test_stalls.py; the release of a
+request's charges on every path of its flow in tests/test_request_flow.py."""
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import yaml
 
-from deployments.ingress.admission import IN_FLIGHT_FACTOR, SHARE, Admission, Overloaded, admitted, serve_max_ongoing
+from deployments.ingress.admission import IN_FLIGHT_FACTOR, SHARE, Admission, Overloaded, serve_max_ongoing
 from deployments.config import AppArgs
-from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 
@@ -107,36 +106,6 @@ def test_the_engines_serve_cap_is_admissions_most_in_flight():
         budget = app["args"].get("max_ongoing_requests", AppArgs.model_fields["max_ongoing_requests"].default)
         engines = [d for d in app["deployments"] if d["name"] in ("PrefillServer", "DecodeServer", "LLMServer")]
         assert engines and all(d["max_ongoing_requests"] == serve_max_ongoing(budget) for d in engines), name
-
-
-def test_p_is_released_at_the_first_output_d_at_the_end_each_once_however_the_stream_ends():
-    admission = pd()
-
-    async def outputs(fail: bool):
-        yield RequestOutput("r", [5], "x", 1, False, None, 0)
-        if fail:
-            raise RuntimeError("a replica failed")
-        yield RequestOutput("r", [6], "y", 2, True, "length", 0)
-
-    async def run(fail: bool, leave_early: bool) -> list[tuple[int, int]]:
-        seen = []
-        stream = admitted(outputs(fail), admission.admit(request(30, 70)))
-        try:
-            async for _ in stream:
-                seen.append((admission.load["PrefillServer"].tokens, admission.load["DecodeServer"].tokens))
-                if leave_early:
-                    break
-        except RuntimeError:
-            pass
-        finally:
-            await stream.aclose()
-        return seen
-
-    for fail, leave_early in [(False, False), (True, False), (False, True)]:
-        seen = asyncio.run(run(fail, leave_early))
-        assert seen[0] == (0, 100)  # P's 30 released with the first token; D holds prompt + max_tokens
-        assert (admission.load["PrefillServer"].tokens, admission.load["DecodeServer"].tokens) == (0, 0)
-        assert admission.load["DecodeServer"].requests == admission.load["PrefillServer"].requests == 0
 
 
 def test_colocated_has_one_role():

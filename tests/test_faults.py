@@ -238,11 +238,11 @@ def test_prefill_killed_after_its_reply_before_decode_fetched_the_kv(base_url):
         assert meta.num_layers * 2 * meta.num_tokens * meta.num_kv_heads * meta.head_dim * 4 > 100 * 1024
         (prefill,) = processes("PrefillServer")
         sigkill(prefill)  # the fault happened: P is gone, its KV not fetched yet
-        outputs = [o async for o in backend.decode_step(request, reply)]
+        outputs = [o async for batch in backend.decode_step(request, reply) for o in batch]
         return reply.outputs[0].new_token_ids + [t for o in outputs for t in o.new_token_ids]
 
     async def fault_free() -> list[int]:
-        outputs = [o async for o in backend.stream(GenerationRequest("p-alive", prompt, params))]
+        outputs = [o async for batch in backend.stream(GenerationRequest("p-alive", prompt, params)) for o in batch]
         return [t for o in outputs for t in o.new_token_ids]
 
     (killed,) = replicas("PrefillServer", "pd")

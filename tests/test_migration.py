@@ -1,6 +1,7 @@
-"""deployments/ingress/migration.py's decisions, with engines that fail on cue: what is sent again after a
-replica failure, when, and how often. The real faults (a replica killed mid-stream) are in
-tests/test_faults.py."""
+"""deployments/ingress/migration.py's decisions, as the request flow applies them
+(deployments/ingress/request_flow.py, through the engine client), with engines that fail on cue:
+what is sent again after a replica failure, when, and how often. The real faults (a replica killed
+mid-stream) are in tests/test_faults.py."""
 
 import asyncio
 import time
@@ -9,10 +10,10 @@ import pytest
 import ray
 
 from dialects.errors import APIError
-from deployments.ingress.migration import migrating
 from engine.outputs import LENGTH, RequestOutput
 from engine.request import GenerationRequest
 from sampling import SamplingParams
+from tests.test_request_flow import ORIGIN, Backend, Flows
 
 
 def output(request: GenerationRequest, index: int, token: int, count: int, finished: bool = False) -> RequestOutput:
@@ -45,10 +46,20 @@ class Engines:
                 await asyncio.sleep(0)
 
 
-def run(engines: Engines, request: GenerationRequest, max_migrations: int = 3) -> list[RequestOutput]:
+def migrating(start, request: GenerationRequest, max_migrations: int) -> list[RequestOutput]:
+    """``request``'s outputs through a request flow over ``start(request)``'s outputs, one a batch."""
+    async def batches(r: GenerationRequest):
+        async for out in start(r):
+            yield [out]
+
     async def collect():
-        return [o async for o in migrating(engines.start, request, max_migrations)]
+        generation = await Flows(Backend(batches), max_migrations).client.generate([request], ORIGIN)
+        return [o async for _, o in generation]
     return asyncio.run(collect())
+
+
+def run(engines: Engines, request: GenerationRequest, max_migrations: int = 3) -> list[RequestOutput]:
+    return migrating(engines.start, request, max_migrations)
 
 
 def request(n: int = 1, seed: int = 7, tokens: int = 4) -> GenerationRequest:
@@ -87,11 +98,7 @@ def test_a_beam_search_that_fails_after_p_replied_is_sent_again_whole():
         yield RequestOutput(r.request_id, [9, 9], "xx", 2, True, LENGTH, seed=5)
 
     calls: list[GenerationRequest] = []
-
-    async def collect():
-        return [o async for o in migrating(start, beam, 3)]
-
-    outputs = asyncio.run(collect())
+    outputs = migrating(start, beam, 3)
     assert outputs[-1].new_token_ids == [9, 9] and [c.request_id for c in calls] == ["b", "b.m1"]
     assert calls[1].params == beam.params and calls[1].resumed_output_ids == []
 
@@ -118,15 +125,17 @@ def test_a_finished_choice_is_not_resumed():
 
 def test_after_max_migrations_the_failure_ends_the_request():
     engines = Engines([1, 0, 0, 0])
-    with pytest.raises(ray.exceptions.ActorDiedError):
+    with pytest.raises(APIError) as raised:
         run(engines, request(), max_migrations=3)
+    assert raised.value.status == 503 and raised.value.code == "replica_unavailable"
     assert len(engines.calls) == 4
 
 
 def test_an_error_that_is_not_a_replica_failure_is_not_retried():
     engines = Engines([1, None], error=ValueError("top_k: must be < 1024"))
-    with pytest.raises(ValueError, match="top_k"):
+    with pytest.raises(APIError, match="top_k") as raised:
         run(engines, request())
+    assert raised.value.status == 400
     assert len(engines.calls) == 1
 
 
@@ -142,10 +151,6 @@ def test_a_replacement_that_does_not_answer_before_the_deadline_is_a_clean_503()
 
     r = request()
     r.deadline = time.time() + 0.2
-
-    async def collect():
-        return [o async for o in migrating(start, r, 3)]
-
     with pytest.raises(APIError) as raised:
-        asyncio.run(collect())
+        migrating(start, r, 3)
     assert raised.value.status == 503 and raised.value.code == "replica_unavailable" and len(calls) == 2

@@ -84,7 +84,7 @@ def test_prefill_killed_after_its_reply_d_still_reads_the_shared_memory_kv(url):
     prompt = [1] + [(7 * i) % 800 + 3 for i in range(600)]
 
     async def fault_free() -> list[int]:
-        outputs = [o async for o in backend.stream(GenerationRequest("p-alive", prompt, params))]
+        outputs = [o async for batch in backend.stream(GenerationRequest("p-alive", prompt, params)) for o in batch]
         return [t for o in outputs for t in o.new_token_ids]
 
     async def prefill_kill_decode() -> list[int]:
@@ -93,7 +93,7 @@ def test_prefill_killed_after_its_reply_d_still_reads_the_shared_memory_kv(url):
         (prefill,) = processes("PrefillServer", "pd_shm")
         sigkill(prefill)  # the fault happened: P is gone, its KV not read yet
         assert len(segments()) == 1  # P's segment, claimed by this process (the ingress here)
-        outputs = [o async for o in backend.decode_step(request, reply)]
+        outputs = [o async for batch in backend.decode_step(request, reply) for o in batch]
         return reply.outputs[0].new_token_ids + [t for o in outputs for t in o.new_token_ids]
 
     expected = asyncio.run(fault_free())

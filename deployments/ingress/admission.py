@@ -24,9 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import math
-from typing import AsyncIterator, Callable
+from typing import Callable
 
-from engine.outputs import RequestOutput
 from engine.request import PRIORITY_MAX, PRIORITY_MIN, GenerationRequest
 
 SHARE = {1: 1.0, 2: 0.9, 3: 0.8, 4: 0.7, 5: 0.6}  # by priority p: the fraction of a budget work of priority <= p may fill
@@ -131,13 +130,3 @@ class Admission:
             self.load[charge.role].tokens_by_priority[charge.priority] -= charge.tokens
             self.load[charge.role].requests_by_priority[charge.priority] -= 1
 
-
-async def admitted(stream: AsyncIterator[RequestOutput], ticket: Ticket) -> AsyncIterator[RequestOutput]:
-    """``stream``, releasing P's charge at its first output and every charge when it ends, however."""
-    try:
-        async for output in stream:
-            ticket.prefilled()
-            yield output
-    finally:
-        ticket.done()
-        await stream.aclose()

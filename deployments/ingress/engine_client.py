@@ -1,60 +1,29 @@
 """The engine client on Ray Serve: dialects/engine_client.py's seam, implemented. One per ingress
-replica; it holds the backend (colocated, or P then D: deployments/pd/backends.py), and every request
-goes through admission (admission.py), migration (migration.py) and its trace (tracing.py) here,
-so that a dialect sees outputs and APIErrors, never Ray.
+replica; it holds the backend (colocated, or P then D: deployments/pd/backends.py). Each request is
+admitted (admission.py) and started as a request flow (request_flow.py: its trace, migration, the
+ticket's release and its key's tokens), so that a dialect sees outputs and APIErrors, never Ray.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable
+from typing import Callable
 import uuid
 
 from transformers import AutoTokenizer
 
-from deployments.ingress.admission import Admission, Overloaded, admitted
+from deployments.ingress.admission import Admission, Overloaded
 from deployments.failures import client_error
 from deployments.ingress.health import describe
-from deployments.ingress.migration import migrating
-from deployments.ingress.streams import indexed, prepend_first
-from deployments.ingress.tracing import RequestTrace, traced
+from deployments.ingress.request_flow import RequestFlow, ServeGeneration, started
+from deployments.ingress.tracing import RequestTrace
 from dialects.engine_client import Origin, ServedSettings
 from dialects.errors import APIError
 from engine.lora_adapter import LoraAdapter, LoraRef, ModelShape
 from engine.model_info import ModelInfo
-from engine.outputs import TIMEOUT, RequestOutput
 from engine.request import GenerationRequest
 
 ENGINE_WAIT_S = 5.0  # the longest any endpoint waits for a deployment's info before a 503
-
-
-class ServeGeneration:
-    """dialects/engine_client.py's Generation: the started requests' streams, merged; any failure
-    out of them becomes the APIError a client is told (deployments/failures.py)."""
-
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]], first_trace: RequestTrace) -> None:
-        self._outputs = indexed(streams)
-        self._trace = first_trace
-
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        try:
-            async for item in self._outputs:
-                yield item
-        except Exception as error:
-            raise client_error(error) from None
-        finally:
-            await self.abort()  # a client that went away cancels the engines' calls at once
-
-    async def abort(self) -> None:
-        await self._outputs.aclose()
-
-    @property
-    def ttft_s(self) -> float:
-        return self._trace.phases().get("ttft", 0.0)
-
-    @property
-    def last_gap_s(self) -> float:
-        return self._trace.last_gap
 
 
 class ServeEngineClient:
@@ -74,9 +43,8 @@ class ServeEngineClient:
         self._tokenizer = None
         self._lora_names: dict[str, LoraRef] | None = None
         self._lora_shape: ModelShape | None = None
-        # (stream, key name, request) -> the stream, its tokens counted against the key: RateLimiter.metered
-        self.meter: Callable[[AsyncIterator[RequestOutput], str, GenerationRequest], AsyncIterator[RequestOutput]] = (
-            lambda stream, key_name, request: stream)
+        # (key name, tokens) counted against the key: RateLimiter.charge (None: no per-key limits)
+        self.charge: Callable[[str, int], None] | None = None
 
     async def model_info(self) -> ModelInfo:
         """What the engines serve; a 503 within ENGINE_WAIT_S while one of them does not answer.
@@ -106,41 +74,32 @@ class ServeEngineClient:
         return self._tokenizer
 
     async def generate(self, requests: list[GenerationRequest], origin: Origin) -> ServeGeneration:
-        started = await asyncio.gather(*(self._start(r, origin) for r in requests), return_exceptions=True)
-        errors = [s for s in started if isinstance(s, BaseException)]
-        if errors:
-            for s in started:
-                if not isinstance(s, BaseException):
-                    await s[1].aclose()
-            raise errors[0]
-        return ServeGeneration([prepend_first(first, stream) for first, stream, _ in started], started[0][2])
+        """Admit and start each request (a 503 at once when one does not fit), then wait for every
+        first output (request_flow.started: errors and a deadline passed before it are HTTP errors)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        flows: list[RequestFlow] = []
+        generation = ServeGeneration(flows, queue)
+        for index, request in enumerate(requests):
+            try:
+                ticket = self.admission.admit(request)
+            except Overloaded as error:  # at once, never a wait: deployments/ingress/admission.py
+                await generation.abort()
+                raise APIError(503, str(error), code="overloaded", retry_after=error.retry_after) from None
+            trace = RequestTrace(origin.client_request_id or uuid.uuid4().hex, request.request_id, origin.dialect,
+                                 request.priority, len(request.prompt_token_ids), origin.arrival)
+            if self.charge is not None:
+                self.charge(origin.key_name, request.num_context_tokens)
+            flows.append(RequestFlow(index, request, lambda r, trace=trace: self.backend.stream(r, trace), trace,
+                                     ticket, self.max_migrations, self._ended(origin.key_name), queue))
+        return await started(generation, flows)
 
-    async def _start(self, request: GenerationRequest, origin: Origin
-                     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput], RequestTrace]:
-        """Send a request to the engines and wait for its first output: errors and a deadline
-        that passes before the first token become HTTP errors before any byte is sent. The
-        request's trace ends with its stream."""
-        trace = RequestTrace(origin.client_request_id or uuid.uuid4().hex, request.request_id, origin.dialect,
-                             request.priority, len(request.prompt_token_ids), origin.arrival)
-        def on_migrate() -> None:
-            trace.migrations += 1
-
-        try:
-            ticket = self.admission.admit(request)
-        except Overloaded as error:  # at once, never a wait: deployments/ingress/admission.py
-            raise APIError(503, str(error), code="overloaded", retry_after=error.retry_after) from None
-        resilient = migrating(lambda r: self.backend.stream(r, trace), request, self.max_migrations, on_migrate)
-        stream = self.meter(admitted(traced(resilient, trace, self.end_trace), ticket), origin.key_name, request)
-        try:
-            first = await stream.__anext__()
-        except Exception as error:
-            await stream.aclose()
-            raise client_error(error) from None
-        if first.finished and first.finish_reason == TIMEOUT and not first.new_token_ids:
-            await stream.aclose()
-            raise APIError(408, "request timed out: the request's timeout passed before its first token", "timeout",
-                           "timeout")
-        return first, stream, trace
+    def _ended(self, key_name: str):
+        """A flow's end: its trace recorded, its generated tokens charged to its key."""
+        def end(flow: RequestFlow, outcome: str) -> None:
+            self.end_trace(flow.trace, outcome)
+            if self.charge is not None:
+                self.charge(key_name, flow.generated)
+        return end
 
     async def lora_names(self) -> dict[str, LoraRef]:
         if self._lora_names is None:

@@ -181,11 +181,12 @@ class Readiness:
                 pd = isinstance(self.backend, PDBackend)
                 stream = (self.backend.prefill_only(request, counted=False) if prefill_only else
                           self.backend.stream(request, disaggregate=True) if pd else self.backend.stream(request))
-                async for output in stream:
-                    reached += 1
-                    if output.error:
-                        raise RuntimeError(output.error)
-                    outputs.append(output)
+                async for batch in stream:
+                    for output in batch:
+                        reached += 1
+                        if output.error:
+                            raise RuntimeError(output.error)
+                        outputs.append(output)
                 tokens = sum(len(o.new_token_ids) for o in outputs)
                 if tokens != 2:
                     raise RuntimeError(f"the canary made {tokens} tokens, not 2")

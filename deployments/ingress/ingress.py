@@ -83,7 +83,7 @@ class Ingress:
         app.state.max_body_bytes = args.max_body_bytes
         app.state.api_key = args.api_key.get_secret_value() if args.api_key is not None else None
         # /v1/files, /v1/batches and per-key limits; each engine request's tokens count against its key
-        self.engines.meter = serve_batches(app, args, self.backend.handles, self.metrics).metered
+        self.engines.charge = serve_batches(app, args, self.backend.handles, self.metrics).charge
         self._openapi: dict | None = None
         self.responses = responses.ResponseStore()  # /v1/responses' stored responses: this replica's only
         self.readiness = Readiness(self.backend, embedder)

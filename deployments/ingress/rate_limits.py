@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from contextlib import aclosing
 import hmac
 import math
 import time
-from typing import AsyncIterator, Callable, Mapping
+from typing import Callable, Mapping
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -39,8 +38,6 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 import ray
 
 from dialects.errors import APIError
-from engine.outputs import RequestOutput
-from engine.request import GenerationRequest
 
 WINDOW_S = 60.0
 DEFAULT_KEY = "default"
@@ -196,20 +193,8 @@ class RateLimiter:
                         f"({limit}); retry after {math.ceil(wait)} s", None, "rate_limit_exceeded",
                         retry_after=max(1, math.ceil(wait)))
 
-    def metered(self, stream: AsyncIterator[RequestOutput], key: str, request: GenerationRequest
-                ) -> AsyncIterator[RequestOutput]:
-        """``stream``, its prompt tokens charged to ``key`` at its start and its generated tokens at its
-        end (unchanged for a key without a token limit)."""
-        return self._charged(stream, key, request) if self.limits.of(key).tpm else stream
-
-    async def _charged(self, stream: AsyncIterator[RequestOutput], key: str, request: GenerationRequest
-                       ) -> AsyncIterator[RequestOutput]:
-        self.counter().charge.remote(key, request.num_context_tokens)
-        generated = 0
-        try:
-            async with aclosing(stream) as outputs:
-                async for output in outputs:
-                    generated += len(output.new_token_ids)
-                    yield output
-        finally:
-            self.counter().charge.remote(key, generated)
+    def charge(self, key: str, tokens: int) -> None:
+        """Count ``tokens`` against ``key`` (a request's prompt at its start, its generated tokens at
+        its end: deployments/ingress/request_flow.py); nothing for a key without a token limit."""
+        if tokens and self.limits.of(key).tpm:
+            self.counter().charge.remote(key, tokens)

@@ -12,7 +12,8 @@ machines of one cluster):
       PD: ─ queue{decode} ─ D scheduled (blocks held for the KV) ─ kv transfer (D fetches it) ─ ... ─ last token
     decode = first token to last token (vLLM's definition; in PD it holds the transfer and D's queue)
 
-A trace is ended once, by ``traced`` (the stream ends, fails, or its client goes away).
+A trace is ended once, by its request flow (deployments/ingress/request_flow.py: the request ends,
+fails, or its client goes away).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 import logging
 import time
-from typing import AsyncIterator
 
 from engine.outputs import RequestOutput
 
@@ -148,23 +148,6 @@ def as_json(trace: RequestTrace, outcome: str) -> dict:
             "ttft": trace.phases().get("ttft"),
             "phases": [{"name": name, "start": start - trace.arrival, "end": end - trace.arrival}
                        for name, (start, end) in trace.intervals().items()]}
-
-
-async def traced(stream: AsyncIterator[RequestOutput], trace: RequestTrace, end) -> AsyncIterator[RequestOutput]:
-    """Pass a request's outputs through, recording them; ``end(trace, outcome)`` runs once when
-    the stream stops: "finished", "error" or "cancelled" (the client went away)."""
-    outcome = "cancelled"
-    try:
-        async for output in stream:
-            trace.record_output(output)
-            yield output
-        outcome = "finished"
-    except Exception:
-        outcome = "error"
-        raise
-    finally:
-        await stream.aclose()
-        end(trace, outcome)
 
 
 def log_line(trace: RequestTrace, outcome: str) -> None:

@@ -1,11 +1,10 @@
 """How the ingress reaches the engines: colocated (one deployment) or disaggregated (P then D).
 
-Both yield the engine's RequestOutputs, one per step per choice, as the engine made them, so
-every layer above (migration, the dialects' writers) sees what it saw. The colocated engine sends
+Both yield batches of the engine's RequestOutputs (one per step per choice, in order, as the
+engine made them), so the request flow above (deployments/ingress/request_flow.py) sees what it saw. The colocated engine sends
 them on one channel per replica to this ingress, a step's outputs of all its requests in one item
 (deployments/replicas/output_channels.py). P's and D's calls stream per request: an engine server sends
-every output since its last item in one batch (deployments/replicas/servers.py), and ``_served`` unpacks
-them in order. When the caller stops iterating (a client went away), the request is aborted in
+every output since its last item in one batch (deployments/replicas/servers.py), passed on as it came. When the caller stops iterating (a client went away), the request is aborted in
 its replica (the call in flight cancelled, or the channel told), which frees its blocks.
 """
 
@@ -44,14 +43,15 @@ class ColocatedBackend:
         self.channels = ChannelReceiver(llm, stall_timeout_s)
 
     async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None
-                     ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs; a replica failure if its replica stops or dies mid-stream.
+                     ) -> AsyncIterator[list[RequestOutput]]:
+        """The engine's output batches; a replica failure if its replica stops or dies mid-stream.
         The one replica may be restarting: no bound on its taking the request but the deadline."""
-        async with aclosing(self.channels.stream(request)) as outputs:
-            async for output in outputs:
+        async with aclosing(self.channels.stream(request)) as batches:
+            async for batch in batches:
                 if trace:
-                    trace.record_prefill(output)
-                yield output
+                    for output in batch:
+                        trace.record_prefill(output)
+                yield batch
 
 
 class PDBackend:
@@ -94,14 +94,14 @@ class PDBackend:
         self.prompt_tokens: Counter[str] = Counter()  # by who had them: decode_cache, decode, prefill
 
     async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None, *,
-                     disaggregate: bool = False) -> AsyncIterator[RequestOutput]:
-        """The request's outputs, from D alone or from P then D; ``trace`` learns each engine's
+                     disaggregate: bool = False) -> AsyncIterator[list[RequestOutput]]:
+        """The request's output batches, from D alone or from P then D; ``trace`` learns each engine's
         times and the KV fetch. ``disaggregate``: through P and D whatever the policy says, and
         not counted (the health canary, which checks both; P alone while no D answers)."""
         if self.watch.down():
-            async with aclosing(self.prefill_only(request, trace, counted=not disaggregate)) as outputs:
-                async for output in outputs:
-                    yield output
+            async with aclosing(self.prefill_only(request, trace, counted=not disaggregate)) as batches:
+                async for batch in batches:
+                    yield batch
             return
         num_tokens = request.num_context_tokens
         plan = None
@@ -126,19 +126,20 @@ class PDBackend:
             steps = _served(call, self.stall_timeout_s, trace)
         else:
             reply = await self.prefill_step(request, cached)
-            for output in reply.outputs:
-                if trace:
+            if trace:
+                for output in reply.outputs:
                     trace.record_prefill(output)
-                yield output
+            if reply.outputs:
+                yield list(reply.outputs)
             if reply.handoff is None:
                 return
             steps = self.decode_step(request, reply, trace, pinned)
-        async with aclosing(steps) as outputs:
-            async for output in outputs:
-                yield output
+        async with aclosing(steps) as batches:
+            async for batch in batches:
+                yield batch
 
     async def prefill_only(self, request: GenerationRequest, trace: RequestTrace | None = None,
-                           counted: bool = True) -> AsyncIterator[RequestOutput]:
+                           counted: bool = True) -> AsyncIterator[list[RequestOutput]]:
         """No D replica answers: P serves the whole request (its engine decodes too), counted as a
         ``prefill_only`` decision; NoDecodeReplica instead with degradation off."""
         if not self.degrade_to_prefill:
@@ -146,9 +147,9 @@ class PDBackend:
         if counted:
             self.decisions["prefill_only", NO_DECODE_REPLICA] += 1
         call = self.prefill.options(stream=True, _by_reference=False).generate.remote(request)
-        async with aclosing(_served(call, self.stall_timeout_s, trace)) as outputs:
-            async for output in outputs:
-                yield output
+        async with aclosing(_served(call, self.stall_timeout_s, trace)) as batches:
+            async for batch in batches:
+                yield batch
 
     async def prefill_step(self, request: GenerationRequest, kv_export_start: int = 0) -> PrefillReply:
         """P's reply, with the handle to its KV (owned here) from token ``kv_export_start`` on,
@@ -168,8 +169,8 @@ class PDBackend:
             routing.first_choice(request.request_id)  # forgotten once answered
 
     def decode_step(self, request: GenerationRequest, reply: PrefillReply, trace: RequestTrace | None = None,
-                    pinned: str | None = None) -> AsyncIterator[RequestOutput]:
-        """D's outputs after P's ``reply``; KVLeaseExpired if no D takes the request within the
+                    pinned: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        """D's output batches after P's ``reply``; KVLeaseExpired if no D takes the request within the
         lease. ``pinned``: the D replica that holds the prefix P's KV continues. Taking the
         request, D holds its own handle to the KV: the ingress drops its own."""
         call = self.decode.options(stream=True).decode.remote(request, reply, pinned=pinned)
@@ -179,10 +180,10 @@ class PDBackend:
 
 async def _served(call, stall_timeout_s: float, trace: RequestTrace | None, lease_s: float | None = None,
                   on_taken: Callable[[], None] | None = None,
-                  until_down: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
-    """A streaming engine call's outputs: its ``Accepted`` first (within ``lease_s`` when given:
+                  until_down: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[list[RequestOutput]]:
+    """A streaming engine call's output batches: its ``Accepted`` first (within ``lease_s`` when given:
     KVLeaseExpired otherwise; DecodeDown if ``until_down()`` returns first; ``on_taken`` then),
-    then the outputs of each batch it sends, in order, while it shows signs of life (liveness.py).
+    then each batch it sends, in order, while it shows signs of life (liveness.py).
     Its KV fetch and its engine's times go to ``trace``: a call that took P's KV decodes, any
     other prefilled too."""
     async with aclosing(cancel_on_exit(call)) as items:
@@ -194,12 +195,11 @@ async def _served(call, stall_timeout_s: float, trace: RequestTrace | None, leas
                 if trace:
                     trace.record_kv(item)
                 continue
-            for output in item:
-                if trace and lease_s is None:
-                    trace.record_prefill(output)
-                elif trace:
-                    trace.record_decode(output)
-                yield output
+            if trace:
+                record = trace.record_prefill if lease_s is None else trace.record_decode
+                for output in item:
+                    record(output)
+            yield item
 
 
 async def _taken(accepted: Awaitable, lease_s: float | None, until_down: Callable[[], Awaitable[None]] | None):

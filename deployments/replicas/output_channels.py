@@ -175,9 +175,10 @@ class ChannelReceiver:
         self._inboxes: dict[str, _Inbox] = {}  # request id -> its outputs, as the readers deliver them
         self._readers: dict[str, _Reader] = {}  # replica id -> the task reading its channel
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; its error when the engine ended it with one; a replica failure
-        when its replica's channel fails (deployments/failures.py). Leaving early aborts it."""
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[RequestOutput]]:
+        """The request's outputs, in batches of what arrived since the last; its error when the
+        engine ended it with one; a replica failure when its replica's channel fails
+        (deployments/failures.py). Leaving early aborts it."""
         inbox = self._inboxes[request.request_id] = _Inbox()
         submitted = asyncio.ensure_future(_outside_request(self._submit.remote, request, self.channel_id))
         reader, ended = None, False
@@ -185,14 +186,17 @@ class ChannelReceiver:
             accepted: Accepted = await asyncio.shield(submitted)
             reader = self._reader(accepted.replica)
             reader.requests.add(request.request_id)
-            while True:
+            while not ended:
+                batch, error = [], None
                 for item in await inbox.take(reader):
                     if isinstance(item, Ended):
-                        ended = True
-                        if item.error is not None:
-                            raise item.error
-                        return
-                    yield item
+                        ended, error = True, item.error
+                        break
+                    batch.append(item)
+                if batch:
+                    yield batch
+                if error is not None:
+                    raise error
         finally:
             del self._inboxes[request.request_id]
             if reader is not None:
