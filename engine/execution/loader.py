@@ -2,8 +2,9 @@
 
 Reads config.json through AutoConfig, the tokenizer through AutoTokenizer and the weights
 from *.safetensors; nothing is downloaded. "tiny-llama" names the embedded default model,
-made on first use (engine/execution/tiny_model.py); a .gguf file is served from its
-dequantized copy (engine/execution/gguf.py).
+made on first use (engine/execution/tiny_model.py); a .gguf file's config, tokenizer, norms and
+biases come from its dequantized copy (engine/execution/gguf.py), and on the CPU its linear
+weights stay in their stored types where a kernel exists (engine/execution/quant/).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import hashlib
 import importlib
 import json
+import logging
 from pathlib import Path
 
 from safetensors import safe_open
@@ -22,6 +24,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.config import EngineConfig
 from engine.execution.gguf import cached_model_dir, find_gguf
 from engine.execution.model import DecoderModel, ModelSpec
+from engine.execution.quant import kernels as quant_kernels
+from engine.execution.quant.linear import QuantizedLinear
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 TINY_LLAMA = "tiny-llama"
@@ -38,6 +44,10 @@ class LoadedModel:
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
+    # How the weights are held: the dtype's name, or "gguf:" and the stored types kept quantized
+    # ("gguf:Q4_1+Q8_0"), with the dtype for the rest; /v1/models shows it.
+    weight_storage: str = ""
+    weight_bytes: int = 0  # the model's resident parameters and quantized blocks, in bytes
 
 
 def resolve_model_dir(name: str, dtype: torch.dtype | None = None) -> Path:
@@ -112,12 +122,51 @@ def load_model(config: EngineConfig) -> LoadedModel:
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     spec = model_spec(hf_config)
     model = DecoderModel(spec)
-    model.load_state_dict(_fused_state_dict(path, spec), strict=True)
+    quantized = _quantized_modules(config, spec, dtype, device)
+    for name, module in quantized.items():  # before the state dict: their weights are not read from it
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attribute, module)
+    model.load_state_dict(_fused_state_dict(path, spec, skip=quantized.keys()), strict=True)
     model.to(device=device, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
-    return LoadedModel(path, model, tokenizer, spec, model_fingerprint(path), _eos_ids(path, hf_config, tokenizer),
-                       max_model_len, dtype, device)
+    storage = weight_storage(model, dtype)
+    model_id = model_fingerprint(path)
+    if quantized:  # other weights than the dequantized copy's: P and D must not exchange KV with it
+        model_id = hashlib.sha256(f"{model_id}:{storage}".encode()).hexdigest()[:16]
+    return LoadedModel(path, model, tokenizer, spec, model_id, _eos_ids(path, hf_config, tokenizer),
+                       max_model_len, dtype, device, storage, resident_bytes(model))
+
+
+def _quantized_modules(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> dict:
+    """A GGUF's linear weights kept in their stored types (engine/execution/quant/gguf_tensors.py),
+    where the kernels run: on the CPU, with ``quantization`` not "dequantize"; else none."""
+    gguf_file = find_gguf(config.model)
+    if gguf_file is None or config.quantization == "dequantize":
+        return {}
+    if device.type != "cpu" or not quant_kernels.available():
+        logger.warning("GGUF %s: no quantized kernels on %s; serving its weights dequantized to %s",
+                       gguf_file.name, device, dtype)
+        return {}
+    from engine.execution.quant.gguf_tensors import quantized_modules
+
+    return quantized_modules(gguf_file, spec, dtype)
+
+
+def weight_storage(model: DecoderModel, dtype: torch.dtype) -> str:
+    """"gguf:<types kept quantized>" (with ``dtype`` for the rest), or ``dtype``'s name."""
+    types = set()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            types.update(t.name for t in module.types)
+    name = str(dtype).removeprefix("torch.")
+    return f"gguf:{'+'.join(sorted(types))}" if types else name
+
+
+def resident_bytes(model: DecoderModel) -> int:
+    """Bytes of every parameter and buffer of ``model`` (quantized blocks included)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # a tied tensor once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def model_spec(hf_config) -> ModelSpec:
@@ -165,8 +214,9 @@ def model_spec(hf_config) -> ModelSpec:
     )
 
 
-def _fused_state_dict(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Read transformers' parameter names and fuse q/k/v and gate/up per layer."""
+def _fused_state_dict(path: Path, spec: ModelSpec, skip=()) -> dict[str, torch.Tensor]:
+    """Read transformers' parameter names and fuse q/k/v and gate/up per layer; the weights of the
+    modules in ``skip`` (kept quantized, engine/execution/quant/) are left out."""
     raw: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -197,7 +247,7 @@ def _fused_state_dict(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
         if spec.mlp_bias:
             state[dst + "gate_up_proj.bias"] = torch.cat([raw[mlp + "gate_proj.bias"], raw[mlp + "up_proj.bias"]])
             state[dst + "down_proj.bias"] = raw[mlp + "down_proj.bias"]
-    return state
+    return {key: tensor for key, tensor in state.items() if key.removesuffix(".weight") not in skip}
 
 
 def model_fingerprint(path: Path) -> str:
