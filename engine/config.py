@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
-QUANTIZATIONS = (None, "dequantize")  # engine/execution/quant/; docs/serving.md
+QUANTIZATIONS = (None, "dequantize", "int8")  # engine/execution/quant/; docs/serving.md
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_paged", "triton_paged")  # engine/execution/attention/
 
 
@@ -16,7 +16,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"  # cpu, cuda[:N] or npu[:N]
     # None: weights as the checkpoint stores them - a GGUF's quantized types kept, on the CPU, where a
-    # kernel exists (engine/execution/quant/), the rest in dtype; "dequantize": every weight in dtype.
+    # kernel exists (engine/execution/quant/), the rest in dtype; "dequantize": every weight in dtype;
+    # "int8": a Hugging Face checkpoint's linear weights and embeddings in int8 (quant/int8.py), CPU only.
     quantization: str | None = None
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV pool size; None: from kv_cache_memory_gb

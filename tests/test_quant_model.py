@@ -2,7 +2,8 @@
 gguf writer from tiny-llama's weights (q and k permuted as llama.cpp's converter does; every linear
 quantized but down_proj, whose K = 688 is not whole blocks and stays float32, as llama.cpp's
 converter falls back) loads with the stored types on the kernels, and its greedy tokens match the
-same file served dequantized (float32, the same weight values: only the order of the sums differs)."""
+same file served dequantized (float32, the same weight values: only the order of the sums differs).
+``quantization: int8`` on tiny-llama itself: the same against its weights' int8 values, and refused for a GGUF."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from gguf import GGMLQuantizationType as Q
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+import torch
 
 from engine.config import EngineConfig
+from engine.execution.quant.int8 import int8_blocks
 from engine.execution.quant.linear import QuantizedEmbedding, QuantizedLinear
+from engine.execution.quant.reference import dequantize
 from engine.execution.tiny_model import ensure_tiny_model
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
@@ -107,3 +111,35 @@ def test_greedy_tokens_match_the_dequantized_model(tmp_path, quant_type, caplog)
     got, expected = greedy(stored, prompts, 64), greedy(dequantized, prompts, 64)
     same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
     assert same >= 0.95 * 8 * 64, f"{same} of {8 * 64} positions equal"
+
+
+def test_int8_quantizes_a_hugging_face_checkpoint_and_keeps_its_greedy_tokens():
+    """Against the same checkpoint with each int8 weight's dequantized values in float32 (the
+    quantization's own error is the gguf package's Q8_0, |w - w'| <= half a block's step)."""
+    model = str(ensure_tiny_model())
+    int8 = LLMEngine(EngineConfig(model=model, dtype="float32", quantization="int8", kv_cache_memory_gb=0.05))
+    loaded = int8.loaded
+    assert loaded.weight_storage == "int8:Q8_0"
+    assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding) and isinstance(loaded.model.lm_head, QuantizedLinear)
+    assert not isinstance(loaded.model.layers[0].down_proj, QuantizedLinear)  # K = 688: kept in float32
+    reference = LLMEngine(EngineConfig(model=model, dtype="float32", kv_cache_memory_gb=0.05))
+    assert loaded.weight_bytes < 0.45 * reference.loaded.weight_bytes
+    with torch.no_grad():
+        for name, module in reference.loaded.model.named_modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and module.weight.shape[1] % 32 == 0:
+                values = dequantize(int8_blocks(module.weight), Q.Q8_0)
+                step = module.weight.reshape(-1, 32).abs().amax(1, keepdim=True) / 127
+                # half a step, and the float16 rounding of the scale (127 x 2^-11 steps at most)
+                assert ((values - module.weight).reshape(-1, 32).abs() <= 0.57 * step + 1e-7).all(), name
+                module.weight.copy_(values)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 891, int(length)).tolist() for length in rng.integers(4, 40, 8)]
+    got, expected = greedy(int8, prompts, 64), greedy(reference, prompts, 64)
+    same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+    assert same >= 0.95 * 8 * 64, f"{same} of {8 * 64} positions equal"
+
+
+def test_int8_is_refused_for_a_gguf(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.Q8_0.gguf", Q.Q8_0)
+    with pytest.raises(ValueError, match="quantization: int8 is for Hugging Face checkpoints"):
+        LLMEngine(EngineConfig(model=str(path), dtype="float32", quantization="int8"))

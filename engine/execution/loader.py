@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.execution.gguf import cached_model_dir, find_gguf
 from engine.execution.model import DecoderModel, ModelSpec
 from engine.execution.quant import kernels as quant_kernels
+from engine.execution.quant.int8 import quantize_to_int8
 from engine.execution.quant.linear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -127,12 +128,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attribute, module)
     model.load_state_dict(_fused_state_dict(path, spec, skip=quantized.keys()), strict=True)
+    if config.quantization == "int8":
+        _check_int8(config, device)
+        quantize_to_int8(model, dtype)  # from the checkpoint's own values, before the cast to dtype
     model.to(device=device, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
-    storage = weight_storage(model, dtype)
+    storage = weight_storage(model, dtype, "int8" if config.quantization == "int8" else "gguf")
     model_id = model_fingerprint(path)
-    if quantized:  # other weights than the dequantized copy's: P and D must not exchange KV with it
+    if storage != str(dtype).removeprefix("torch."):  # other weights than the checkpoint's: P and D must not mix KV
         model_id = hashlib.sha256(f"{model_id}:{storage}".encode()).hexdigest()[:16]
     return LoadedModel(path, model, tokenizer, spec, model_id, _eos_ids(path, hf_config, tokenizer),
                        max_model_len, dtype, device, storage, resident_bytes(model))
@@ -153,14 +157,24 @@ def _quantized_modules(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype
     return quantized_modules(gguf_file, spec, dtype)
 
 
-def weight_storage(model: DecoderModel, dtype: torch.dtype) -> str:
-    """"gguf:<types kept quantized>" (with ``dtype`` for the rest), or ``dtype``'s name."""
+def weight_storage(model: DecoderModel, dtype: torch.dtype, kind: str = "gguf") -> str:
+    """"<kind>:<block types kept quantized>" (``dtype`` for the rest), e.g. "gguf:Q4_1+Q8_0" or
+    "int8:Q8_0", or ``dtype``'s name when no weight is quantized."""
     types = set()
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             types.update(t.name for t in module.types)
     name = str(dtype).removeprefix("torch.")
-    return f"gguf:{'+'.join(sorted(types))}" if types else name
+    return f"{kind}:{'+'.join(sorted(types))}" if types else name
+
+
+def _check_int8(config: EngineConfig, device: torch.device) -> None:
+    """Refuse int8 where it cannot run, naming the field."""
+    if find_gguf(config.model) is not None:
+        raise ValueError("quantization: int8 is for Hugging Face checkpoints; a GGUF keeps its own types "
+                         "(leave quantization unset) or is dequantized (quantization: dequantize)")
+    if device.type != "cpu" or not quant_kernels.available():
+        raise ValueError(f"quantization: int8 runs on the CPU's quantized kernels, not on {device}")
 
 
 def resident_bytes(model: DecoderModel) -> int:
