@@ -143,3 +143,12 @@ def test_int8_is_refused_for_a_gguf(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.Q8_0.gguf", Q.Q8_0)
     with pytest.raises(ValueError, match="quantization: int8 is for Hugging Face checkpoints"):
         LLMEngine(EngineConfig(model=str(path), dtype="float32", quantization="int8"))
+
+
+def test_float64_serves_a_gguf_dequantized(tmp_path, caplog):
+    """float64 is the exact-parity dtype; the kernels sum in float32, so the file is dequantized (logged)."""
+    path = write_tiny_gguf(tmp_path / "tiny.Q8_0.gguf", Q.Q8_0)
+    with caplog.at_level("WARNING"):
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="float64", kv_cache_memory_gb=0.05))
+    assert engine.loaded.weight_storage == "float64"
+    assert "serving its weights dequantized" in caplog.text

@@ -144,12 +144,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 def _quantized_modules(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> dict:
     """A GGUF's linear weights kept in their stored types (engine/execution/quant/gguf_tensors.py),
-    where the kernels run: on the CPU, with ``quantization`` not "dequantize"; else none."""
+    where the kernels run: on the CPU, below float64, with ``quantization`` not "dequantize"; else none."""
     gguf_file = find_gguf(config.model)
     if gguf_file is None or config.quantization == "dequantize":
         return {}
-    if device.type != "cpu" or not quant_kernels.available():
-        logger.warning("GGUF %s: no quantized kernels on %s; serving its weights dequantized to %s",
+    if device.type != "cpu" or not quant_kernels.available() or dtype == torch.float64:
+        # float64 is for exact parity: the kernels sum in float32
+        logger.warning("GGUF %s: no quantized kernels on %s in %s; serving its weights dequantized",
                        gguf_file.name, device, dtype)
         return {}
     from engine.execution.quant.gguf_tensors import quantized_modules
