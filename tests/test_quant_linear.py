@@ -106,7 +106,8 @@ def test_each_isa_build_gives_the_native_builds_bits(ext, isa):
         raw = blocks(quant_type, 13, 512)
         x = torch.randn(6, 512)
         assert torch.equal(run(other, x, raw, quant_type), run(ext, x, raw, quant_type)), quant_type.name
-        assert torch.equal(other.dequantize_rows(raw, int(quant_type), 512), ext.dequantize_rows(raw, int(quant_type), 512))
+        assert torch.equal(other.dequantize_rows(raw, int(quant_type), 512),
+                           ext.dequantize_rows(raw, int(quant_type), 512))
 
 
 def test_refuses_a_type_without_kernel_and_rows_of_partial_blocks(ext):

@@ -42,7 +42,8 @@ def gguf_name(hf_name: str) -> str:
 
 def permuted(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's q/k row order (convert_hf_to_gguf.py LlamaModel.permute)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def write_tiny_gguf(path: Path, quant_type: Q) -> Path:
@@ -120,7 +121,8 @@ def test_int8_quantizes_a_hugging_face_checkpoint_and_keeps_its_greedy_tokens():
     int8 = LLMEngine(EngineConfig(model=model, dtype="float32", quantization="int8", kv_cache_memory_gb=0.05))
     loaded = int8.loaded
     assert loaded.weight_storage == "int8:Q8_0"
-    assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding) and isinstance(loaded.model.lm_head, QuantizedLinear)
+    assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(loaded.model.lm_head, QuantizedLinear)
     assert not isinstance(loaded.model.layers[0].down_proj, QuantizedLinear)  # K = 688: kept in float32
     reference = LLMEngine(EngineConfig(model=model, dtype="float32", kv_cache_memory_gb=0.05))
     assert loaded.weight_bytes < 0.45 * reference.loaded.weight_bytes

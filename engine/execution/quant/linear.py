@@ -57,7 +57,8 @@ class QuantizedLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """W [out, in] float32."""
         ext = kernels.build()
-        return torch.cat([ext.dequantize_rows(raw, int(t), self.in_features) for t, raw in zip(self.types, self.raws())])
+        return torch.cat([ext.dequantize_rows(raw, int(quant_type), self.in_features)
+                          for quant_type, raw in zip(self.types, self.raws())])
 
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [M, in] -> [M, out] in x's dtype, summed in float32."""
