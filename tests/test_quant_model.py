@@ -23,6 +23,7 @@ from engine.execution.quant.linear import QuantizedEmbedding, QuantizedLinear
 from engine.execution.quant.reference import dequantize
 from engine.execution.tiny_model import ensure_tiny_model
 from engine.llm_engine import LLMEngine
+from engine.offline import run_to_completion
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 
@@ -91,6 +92,14 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> list[lis
     return [results[f"r{i}"].output_token_ids for i in range(len(prompts))]
 
 
+def prompt_logits(engine: LLMEngine, prompt: list[int]) -> np.ndarray:
+    """The prompt's raw logits [prompt tokens, V], float32."""
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, return_context_logits=True)
+    engine.add_request(GenerationRequest("logits", prompt, params))
+    outputs = [out for out in run_to_completion(engine)["logits"] if out.context_logits is not None]
+    return outputs[0].context_logits
+
+
 @pytest.mark.parametrize("quant_type", [Q.Q8_0, Q.Q4_1])
 def test_greedy_tokens_match_the_dequantized_model(tmp_path, quant_type, caplog):
     path = write_tiny_gguf(tmp_path / f"tiny.{quant_type.name}.gguf", quant_type)
@@ -112,6 +121,11 @@ def test_greedy_tokens_match_the_dequantized_model(tmp_path, quant_type, caplog)
     got, expected = greedy(stored, prompts, 64), greedy(dequantized, prompts, 64)
     same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
     assert same >= 0.95 * 8 * 64, f"{same} of {8 * 64} positions equal"
+    # The prompt's logits: the same weight values summed in float32 in another order, so within
+    # float32 rounding of each other (stated tolerance: 1e-4 of the largest logit).
+    ours, theirs = prompt_logits(stored, prompts[0]), prompt_logits(dequantized, prompts[0])
+    assert ours.shape == (len(prompts[0]), 891)
+    assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max()
 
 
 def test_int8_quantizes_a_hugging_face_checkpoint_and_keeps_its_greedy_tokens():
