@@ -138,6 +138,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model_id = model_fingerprint(path)
     if storage != str(dtype).removeprefix("torch."):  # other weights than the checkpoint's: P and D must not mix KV
         model_id = hashlib.sha256(f"{model_id}:{storage}".encode()).hexdigest()[:16]
+        logger.info("model %s: weights %s, %.1f MB resident", config.model, storage, resident_bytes(model) / 1e6)
     return LoadedModel(path, model, tokenizer, spec, model_id, _eos_ids(path, hf_config, tokenizer),
                        max_model_len, dtype, device, storage, resident_bytes(model))
 
