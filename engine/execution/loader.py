@@ -45,8 +45,8 @@ class LoadedModel:
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
-    # How the weights are held: the dtype's name, or "gguf:" and the stored types kept quantized
-    # ("gguf:Q4_1+Q8_0"), with the dtype for the rest; /v1/models shows it.
+    # How the weights are held: the dtype's name, or the block types kept quantized ("gguf:Q4_1+Q8_0",
+    # "int8:Q8_0"), with the dtype for the rest; /v1/models shows it (engine/model_info.py).
     weight_storage: str = ""
     weight_bytes: int = 0  # the model's resident parameters and quantized blocks, in bytes
 
@@ -119,6 +119,8 @@ def resolve_device(name: str) -> torch.device:
 def load_model(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = torch_dtype(config.dtype, device)
+    if config.quantization == "int8":
+        _check_int8(config, device)
     path = resolve_model_dir(config.model, dtype)
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     spec = model_spec(hf_config)
@@ -129,7 +131,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
         setattr(model.get_submodule(parent) if parent else model, attribute, module)
     model.load_state_dict(_fused_state_dict(path, spec, skip=quantized.keys()), strict=True)
     if config.quantization == "int8":
-        _check_int8(config, device)
         quantize_to_int8(model, dtype)  # from the checkpoint's own values, before the cast to dtype
     model.to(device=device, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -7,10 +7,10 @@ token table, looked up row by row, and the tied LM head.
 
 Which path: the kernel, whose order per output depends on nothing but K (the same bits for a row
 in any batch), for bfloat16 rows on an AVX512-BF16 CPU (two weights per lane and instruction:
-within ~1.3x of torch's bf16 GEMM at 128 rows), and for float32 rows in steps of up to
+1.2-1.3x torch's bf16 GEMM time at 32-128 rows), and for float32 rows in steps of up to
 DEQUANTIZE_ROWS rows or in batch-invariant mode. Larger float32 steps outside that mode (prefill
-chunks) dequantize the weight once per call and multiply with torch's GEMM, which is 2-3x faster
-than the kernel's float32 multiply-adds there (benchmarks/RESULTS.md, issue 57).
+chunks) dequantize the weight once per call and multiply with torch's GEMM, faster there than the
+kernel's float32 multiply-adds (1.1x at 32 rows, 1.8x at 128; benchmarks/RESULTS.md, issue 57).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from engine.execution.quant import kernels
 
-DEQUANTIZE_ROWS = 16  # measured crossover, benchmarks/RESULTS.md (issue 57)
+DEQUANTIZE_ROWS = 16  # float32 rows: the kernel was faster up to 16, torch's GEMM from 32 (the EPYC, Q4_1 3072 x 576)
 
 
 class QuantizedLinear(nn.Module):
