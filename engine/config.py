@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+QUANTIZATIONS = (None, "dequantize", "int8")  # engine/execution/quant/; docs/serving.md
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_paged", "triton_paged")  # engine/execution/attention/
 
 
@@ -14,6 +15,10 @@ class EngineConfig:
     # auto: bfloat16 where the hardware has it (engine/execution/loader.py), else float32; float64 for exact parity tests
     dtype: str = "auto"
     device: str = "cpu"  # cpu, cuda[:N] or npu[:N]
+    # None: weights as the checkpoint stores them - a GGUF's quantized types kept, on the CPU, where a
+    # kernel exists (engine/execution/quant/), the rest in dtype; "dequantize": every weight in dtype;
+    # "int8": a Hugging Face checkpoint's linear weights and embeddings in int8 (quant/int8.py), CPU only.
+    quantization: str | None = None
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV pool size; None: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 0.5
@@ -55,6 +60,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {', '.join(map(str, QUANTIZATIONS))}, "
+                             f"got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

@@ -24,3 +24,6 @@ class ModelInfo:
     attention_backend: str  # engine/execution/attention/: the backend the engine runs
     batch_invariant: bool  # each request's output independent of its batch and chunking (docs/sampling.md)
     sampler_backend: str = "native"  # sampling/sampler.py: "ascend" (the NPU operator) or "native"
+    # How the weights are held (engine/execution/loader.py LoadedModel.weight_storage): the dtype's
+    # name, or "gguf:Q4_1+Q8_0" / "int8:Q8_0" for the block types kept quantized; /v1/models shows it.
+    weight_storage: str = ""

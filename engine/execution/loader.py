@@ -2,8 +2,9 @@
 
 Reads config.json through AutoConfig, the tokenizer through AutoTokenizer and the weights
 from *.safetensors; nothing is downloaded. "tiny-llama" names the embedded default model,
-made on first use (engine/execution/tiny_model.py); a .gguf file is served from its
-dequantized copy (engine/execution/gguf.py).
+made on first use (engine/execution/tiny_model.py); a .gguf file's config, tokenizer, norms and
+biases come from its dequantized copy (engine/execution/gguf.py), and on the CPU its linear
+weights stay in their stored types where a kernel exists (engine/execution/quant/).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import hashlib
 import importlib
 import json
+import logging
 from pathlib import Path
 
 from safetensors import safe_open
@@ -22,6 +24,11 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.config import EngineConfig
 from engine.execution.gguf import cached_model_dir, find_gguf
 from engine.execution.model import DecoderModel, ModelSpec
+from engine.execution.quant import kernels as quant_kernels
+from engine.execution.quant.int8 import quantize_to_int8
+from engine.execution.quant.linear import QuantizedLinear
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 TINY_LLAMA = "tiny-llama"
@@ -38,6 +45,10 @@ class LoadedModel:
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
+    # How the weights are held: the dtype's name, or the block types kept quantized ("gguf:Q4_1+Q8_0",
+    # "int8:Q8_0"), with the dtype for the rest; /v1/models shows it (engine/model_info.py).
+    weight_storage: str = ""
+    weight_bytes: int = 0  # the model's resident parameters and quantized blocks, in bytes
 
 
 def resolve_model_dir(name: str, dtype: torch.dtype | None = None) -> Path:
@@ -108,16 +119,71 @@ def resolve_device(name: str) -> torch.device:
 def load_model(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = torch_dtype(config.dtype, device)
+    if config.quantization == "int8":
+        _check_int8(config, device)
     path = resolve_model_dir(config.model, dtype)
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     spec = model_spec(hf_config)
     model = DecoderModel(spec)
-    model.load_state_dict(_fused_state_dict(path, spec), strict=True)
+    quantized = _quantized_modules(config, spec, dtype, device)
+    for name, module in quantized.items():  # before the state dict: their weights are not read from it
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attribute, module)
+    model.load_state_dict(_fused_state_dict(path, spec, skip=quantized.keys()), strict=True)
+    if config.quantization == "int8":
+        quantize_to_int8(model, dtype)  # from the checkpoint's own values, before the cast to dtype
     model.to(device=device, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
-    return LoadedModel(path, model, tokenizer, spec, model_fingerprint(path), _eos_ids(path, hf_config, tokenizer),
-                       max_model_len, dtype, device)
+    storage = weight_storage(model, dtype, "int8" if config.quantization == "int8" else "gguf")
+    model_id = model_fingerprint(path)
+    if storage != str(dtype).removeprefix("torch."):  # other weights than the checkpoint's: P and D must not mix KV
+        model_id = hashlib.sha256(f"{model_id}:{storage}".encode()).hexdigest()[:16]
+        logger.info("model %s: weights %s, %.1f MB resident", config.model, storage, resident_bytes(model) / 1e6)
+    return LoadedModel(path, model, tokenizer, spec, model_id, _eos_ids(path, hf_config, tokenizer),
+                       max_model_len, dtype, device, storage, resident_bytes(model))
+
+
+def _quantized_modules(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> dict:
+    """A GGUF's linear weights kept in their stored types (engine/execution/quant/gguf_tensors.py),
+    where the kernels run: on the CPU, below float64, with ``quantization`` not "dequantize"; else none."""
+    gguf_file = find_gguf(config.model)
+    if gguf_file is None or config.quantization == "dequantize":
+        return {}
+    if device.type != "cpu" or not quant_kernels.available() or dtype == torch.float64:
+        # float64 is for exact parity: the kernels sum in float32
+        logger.warning("GGUF %s: no quantized kernels on %s in %s; serving its weights dequantized",
+                       gguf_file.name, device, dtype)
+        return {}
+    from engine.execution.quant.gguf_tensors import quantized_modules
+
+    return quantized_modules(gguf_file, spec, dtype)
+
+
+def weight_storage(model: DecoderModel, dtype: torch.dtype, kind: str = "gguf") -> str:
+    """"<kind>:<block types kept quantized>" (``dtype`` for the rest), e.g. "gguf:Q4_1+Q8_0" or
+    "int8:Q8_0", or ``dtype``'s name when no weight is quantized."""
+    types = set()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            types.update(t.name for t in module.types)
+    name = str(dtype).removeprefix("torch.")
+    return f"{kind}:{'+'.join(sorted(types))}" if types else name
+
+
+def _check_int8(config: EngineConfig, device: torch.device) -> None:
+    """Refuse int8 where it cannot run, naming the field."""
+    if find_gguf(config.model) is not None:
+        raise ValueError("quantization: int8 is for Hugging Face checkpoints; a GGUF keeps its own types "
+                         "(leave quantization unset) or is dequantized (quantization: dequantize)")
+    if device.type != "cpu" or not quant_kernels.available():
+        raise ValueError(f"quantization: int8 runs on the CPU's quantized kernels, not on {device}")
+
+
+def resident_bytes(model: DecoderModel) -> int:
+    """Bytes of every parameter and buffer of ``model`` (quantized blocks included)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # a tied tensor once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def model_spec(hf_config) -> ModelSpec:
@@ -165,8 +231,9 @@ def model_spec(hf_config) -> ModelSpec:
     )
 
 
-def _fused_state_dict(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Read transformers' parameter names and fuse q/k/v and gate/up per layer."""
+def _fused_state_dict(path: Path, spec: ModelSpec, skip=()) -> dict[str, torch.Tensor]:
+    """Read transformers' parameter names and fuse q/k/v and gate/up per layer; the weights of the
+    modules in ``skip`` (kept quantized, engine/execution/quant/) are left out."""
     raw: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -197,7 +264,7 @@ def _fused_state_dict(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
         if spec.mlp_bias:
             state[dst + "gate_up_proj.bias"] = torch.cat([raw[mlp + "gate_proj.bias"], raw[mlp + "up_proj.bias"]])
             state[dst + "down_proj.bias"] = raw[mlp + "down_proj.bias"]
-    return state
+    return {key: tensor for key, tensor in state.items() if key.removesuffix(".weight") not in skip}
 
 
 def model_fingerprint(path: Path) -> str:

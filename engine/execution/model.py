@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from engine.execution.attention import StepAttention
 from engine.execution import fused_ops
 from engine.execution.fused_ops import add_rms_norm, rms_norm_reference, rope, silu_mul
+from engine.execution.quant.linear import QuantizedEmbedding, QuantizedLinear
 
 
 @dataclass
@@ -74,6 +75,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         torch.mm(weight, x.t(), out=out)
     out = out.t()  # [N, out], transposed view
     return out + bias if bias is not None else out
+
+
+def project(module: nn.Linear | QuantizedLinear, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """``module``'s map of x [N, in] -> [N, out]: an nn.Linear's weight by ``linear``, a GGUF weight
+    kept quantized by its kernels (engine/execution/quant/linear.py; batch-invariant on its kernel)."""
+    if isinstance(module, QuantizedLinear):
+        return module(x, invariant)
+    return linear(x, module.weight, module.bias, invariant)
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -142,7 +151,7 @@ class DecoderLayer(nn.Module):
             h = fused.rms_norm(x, self.input_norm.weight, self.input_norm.eps)[0]
         else:
             x, h = self.input_norm.add_and_norm(x, pending)
-        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias, self.invariant)
+        qkv = project(self.qkv_proj, h, self.invariant)
         if lora is not None:
             lora.add(("q", "k", "v"), h, qkv, self.split)
         q, k, v = qkv.split(self.split, dim=-1)
@@ -156,18 +165,18 @@ class DecoderLayer(nn.Module):
         else:
             q, k = rope(q, k, cos, sin)
         o = attn.attend(q, k, v, k_cache, v_cache, self.window).reshape(n, -1)  # [N, Hq * D]
-        attended = linear(o, self.o_proj.weight, self.o_proj.bias, self.invariant)
+        attended = project(self.o_proj, o, self.invariant)
         if lora is not None:
             lora.add(("o",), o, attended, (spec.hidden_size,))
         if fused:  # the residual add and the norm in one pass
             h, x = fused.rms_norm(attended, self.post_norm.weight, self.post_norm.eps, add=x)
         else:
             x, h = self.post_norm.add_and_norm(x, attended)
-        gate_up = linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, self.invariant)
+        gate_up = project(self.gate_up_proj, h, self.invariant)
         if lora is not None:
             lora.add(("gate", "up"), h, gate_up, (spec.intermediate_size,) * 2)
         m = fused.silu_mul(gate_up) if fused else silu_mul(gate_up)  # in gate_up's first half: no new [N, I] tensors
-        down = linear(m, self.down_proj.weight, self.down_proj.bias, self.invariant)
+        down = project(self.down_proj, m, self.invariant)
         if lora is not None:
             lora.add(("down",), m, down, (spec.hidden_size,))
         return (x + down, None) if fused else (x, down)
@@ -201,11 +210,12 @@ class DecoderModel(nn.Module):
     def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [max_position, D] in the model's dtype, computed in float32 like transformers."""
         if self._rope_cache is None:
-            device = self.embed_tokens.weight.device
+            device = self.norm.weight.device
+            table = self.embed_tokens  # the model's dtype: the embeddings' (norms may be kept in float32)
+            dtype = table.dtype if isinstance(table, QuantizedEmbedding) else table.weight.dtype
             positions = torch.arange(self.spec.max_position, device=device, dtype=torch.float32)
             freqs = positions[:, None] * self.spec.inv_freq.to(device)[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            dtype = self.embed_tokens.weight.dtype
             self._rope_cache = ((emb.cos() * self.spec.rope_scaling).to(dtype),
                                 (emb.sin() * self.spec.rope_scaling).to(dtype))
         return self._rope_cache
@@ -232,5 +242,8 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> logits [R, V], contiguous (the sampler reads rows)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, invariant=self.invariant).contiguous()
+        if self.lm_head is not None:
+            return project(self.lm_head, hidden, self.invariant).contiguous()
+        if isinstance(self.embed_tokens, QuantizedEmbedding):  # tied to the quantized table
+            return self.embed_tokens.table(hidden, self.invariant).contiguous()
+        return linear(hidden, self.embed_tokens.weight, invariant=self.invariant).contiguous()

@@ -1,0 +1,144 @@
+"""The quantized linear kernels (engine/execution/quant/csrc/quant_linear.cpp) against their reference,
+the gguf package's dequantizer + a torch matmul, per type; each row's bits independent of its batch
+mates and of the threads; every ISA build this CPU runs gives the native build's bits; and the
+modules over them (engine/execution/quant/linear.py)."""
+
+from __future__ import annotations
+
+import gguf
+from gguf import GGMLQuantizationType as Q
+import numpy as np
+import pytest
+import torch
+
+from engine.execution.loader import cpu_flags
+from engine.execution.quant import kernels, reference
+from engine.execution.quant.linear import DEQUANTIZE_ROWS, QuantizedEmbedding, QuantizedLinear
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+# (N, K): the head of SmolLM2-135M's maps (qkv, down), and odd N (not a multiple of the 4-column tile).
+SHAPES = [(960, 576), (576, 1536), (37, 512), (5, 256)]
+F16_FIELDS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of each K-quant block's float16 scales
+
+
+@pytest.fixture(scope="module")
+def ext():
+    assert kernels.available()  # the kernels are what is under test: no silent fallback
+    return kernels.build()
+
+
+def blocks(quant_type: Q, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Raw [n, row bytes] blocks of ``quant_type``: the gguf package's quantizer where it has one, else
+    random bytes with small finite float16 scales (the package only dequantizes the K-quants)."""
+    rng = np.random.default_rng(seed)
+    if quant_type not in F16_FIELDS:
+        return torch.from_numpy(gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32), quant_type))
+    values, nbytes = gguf.GGML_QUANT_SIZES[quant_type]
+    raw = rng.integers(0, 256, (n * k // values, nbytes), dtype=np.uint8)
+    for offset in F16_FIELDS[quant_type]:
+        scales = (rng.standard_normal(len(raw)) * 0.01).astype(np.float16)
+        raw[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def run(ext, x: torch.Tensor, raw: torch.Tensor, quant_type: Q) -> torch.Tensor:
+    out = torch.empty(x.shape[0], raw.shape[0])
+    ext.quant_linear(x, raw, int(quant_type), out)
+    return out
+
+
+def bf16_dot(ext) -> bool:
+    return ext.has_bf16_dot()
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+def test_dequantized_rows_are_the_gguf_packages_bits(ext, quant_type):
+    raw = blocks(quant_type, 7, 512)
+    assert torch.equal(ext.dequantize_rows(raw, int(quant_type), 512), reference.dequantize(raw, quant_type))
+
+
+@pytest.mark.parametrize("quant_type, n, k", [(t, n, k) for t in TYPES for n, k in SHAPES
+                                               if k % gguf.GGML_QUANT_SIZES[t][0] == 0])  # whole blocks, as GGUF holds
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_close_to_the_dequantized_product(ext, quant_type, n, k, m):
+    raw = blocks(quant_type, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n + k))
+    expected = x.double() @ reference.dequantize(raw, quant_type).double().t()  # exact
+    got = run(ext, x, raw, quant_type)
+    assert (got.double() - expected).abs().max() <= 2e-6 * expected.abs().max() * k ** 0.5
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+def test_bfloat16_rows_multiply_the_weight_rounded_to_bfloat16(ext, quant_type):
+    if not bf16_dot(ext):
+        pytest.skip("this CPU has no AVX512-BF16: bfloat16 rows are converted to float32 by the caller")
+    raw = blocks(quant_type, 37, 512)
+    x = torch.randn(5, 512).bfloat16()
+    weight = reference.dequantize(raw, quant_type).bfloat16()  # what the dequantized bf16 model holds
+    expected = x.double() @ weight.double().t()
+    got = run(ext, x, raw, quant_type)
+    assert (got.double() - expected).abs().max() <= 2e-6 * expected.abs().max() * 512 ** 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quant_type", [Q.Q4_1, Q.Q8_0, Q.Q6_K])
+def test_a_row_has_the_same_bits_in_any_batch_and_thread_count(ext, dtype, quant_type):
+    if dtype == torch.bfloat16 and not bf16_dot(ext):
+        pytest.skip("no AVX512-BF16")
+    raw = blocks(quant_type, 101, 512)
+    x = torch.randn(37, 512).to(dtype)
+    whole = run(ext, x, raw, quant_type)
+    threads = torch.get_num_threads()
+    try:
+        for rows, count in [(slice(5, 6), 1), (slice(3, 10), 2), (slice(0, 37), 1)]:
+            torch.set_num_threads(count)
+            assert torch.equal(run(ext, x[rows], raw, quant_type), whole[rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "plain"])
+def test_each_isa_build_gives_the_native_builds_bits(ext, isa):
+    if isa == "avx2" and "avx2" not in cpu_flags():
+        pytest.skip("this CPU does not run AVX2 code")
+    other = kernels.build(isa)
+    for quant_type in TYPES:
+        raw = blocks(quant_type, 13, 512)
+        x = torch.randn(6, 512)
+        assert torch.equal(run(other, x, raw, quant_type), run(ext, x, raw, quant_type)), quant_type.name
+        assert torch.equal(other.dequantize_rows(raw, int(quant_type), 512),
+                           ext.dequantize_rows(raw, int(quant_type), 512))
+
+
+def test_refuses_a_type_without_kernel_and_rows_of_partial_blocks(ext):
+    raw = blocks(Q.Q8_0, 4, 64)
+    with pytest.raises(RuntimeError, match="GGML type 1 has no kernel"):
+        run(ext, torch.randn(1, 64), raw, Q.F16)
+    with pytest.raises(RuntimeError, match="K = 96 is not 68 bytes of whole blocks"):
+        run(ext, torch.randn(1, 96), raw, Q.Q8_0)
+
+
+def test_a_linear_of_mixed_segments_and_a_bias(ext):
+    parts = [(Q.Q8_0, blocks(Q.Q8_0, 64, 256)), (Q.Q4_1, blocks(Q.Q4_1, 32, 256, 1)),
+             (Q.Q4_1, blocks(Q.Q4_1, 32, 256, 2)), (Q.Q6_K, blocks(Q.Q6_K, 32, 256, 3))]
+    layer = QuantizedLinear(parts, 256, bias=True)
+    assert layer.types == [Q.Q8_0, Q.Q4_1, Q.Q6_K] and layer.sizes == [64, 64, 32]  # neighbours of one type merged
+    torch.nn.init.normal_(layer.bias)
+    weight = torch.cat([reference.dequantize(raw, t) for t, raw in parts])  # [160, 256]
+    for rows, invariant in [(3, False), (DEQUANTIZE_ROWS + 5, False), (DEQUANTIZE_ROWS + 5, True)]:
+        x = torch.randn(rows, 256)
+        expected = x.double() @ weight.double().t() + layer.bias.double()
+        assert (layer(x, invariant).double() - expected).abs().max() <= 1e-4 * expected.abs().max()
+    x = torch.randn(DEQUANTIZE_ROWS + 5, 256)
+    assert torch.equal(layer(x, invariant=True)[4:5], layer(x[4:5]))  # the kernel at every size in invariant mode
+
+
+def test_an_embedding_looks_up_dequantized_rows_and_is_the_tied_head(ext):
+    raw = blocks(Q.Q8_0, 50, 64)
+    table = reference.dequantize(raw, Q.Q8_0)
+    embedding = QuantizedEmbedding(Q.Q8_0, raw, 64, torch.bfloat16)
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(embedding(ids), table[ids].bfloat16())
+    x = torch.randn(2, 64)
+    expected = x.double() @ table.double().t()
+    assert (embedding.table(x).double() - expected).abs().max() <= 1e-5 * expected.abs().max()
