@@ -31,6 +31,7 @@ import itertools
 import logging
 import random
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -85,11 +86,14 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.loaded.eos_token_ids)
         self.validator = RequestValidator(config, self.vocab_size, self.loaded.spec.hidden_size, self.lora_shape,
                                           self.grammars, self.runner.kv_meta, self.max_model_len)
+        # The parts call back into the engine through weak methods: a bound method would be a cycle
+        # (engine -> part -> engine) that only the cyclic collector frees, KV pool and weights with it.
+        release, register, sampling_row = (_weak(m) for m in (self._release, self._register, self._sampling_row))
         self.output_processor = OutputProcessor(self.tokenizer, self.grammars, config, self.max_model_len,
-                                                self.loaded.eos_token_ids, self.runner, self._release, self.rows)
-        self.beam_search = BeamSearch(self.scheduler, self._register, self._release, self.output_processor,
+                                                self.loaded.eos_token_ids, self.runner, release, self.rows)
+        self.beam_search = BeamSearch(self.scheduler, register, release, self.output_processor,
                                       self.tokenizer, config, self.max_model_len)
-        self.drafts = DraftVerification(config, self.max_model_len, self._sampling_row,
+        self.drafts = DraftVerification(config, self.max_model_len, sampling_row,
                                         self.output_processor.capped_tokens)
         self._kv_namespace = f"{self.loaded.model_id}:{self.dtype}".encode()
         self._seqs: dict[tuple[str, int], Sequence] = {}  # every running sequence, by (request id, choice index)
@@ -357,3 +361,9 @@ class LLMEngine:
 
     def decode(self, pairs, loras=()) -> dict[str, RequestOutput]:
         return offline.decode(self, pairs, loras)
+
+
+def _weak(method):
+    """``method`` called through a weak reference to its object (see LLMEngine.__init__)."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args, **kwargs: ref()(*args, **kwargs)
