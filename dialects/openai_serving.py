@@ -167,7 +167,7 @@ class OpenAIServing:
                   "max_model_len": info.max_model_len, "dtype": info.dtype,
                   "enable_prefix_caching": info.enable_prefix_caching,
                   "attention_backend": info.attention_backend, "batch_invariant": info.batch_invariant,
-                  "sampler_backend": info.sampler_backend}]
+                  "sampler_backend": info.sampler_backend, "weight_storage": info.weight_storage}]
         cards += [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "parent": cards[0]["id"],
                    "root": settings.lora_directories[name]} for name in await self.client.lora_names()]
         if (embedding_model := await self.client.embedding_model()) is not None:

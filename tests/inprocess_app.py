@@ -56,7 +56,7 @@ class EngineHandle:
                          inner.max_model_len, inner.config.max_iter_times, "in-process", inner.dtype,
                          inner.config.enable_prefix_caching, inner.pad_token_id, inner.loaded.spec.hidden_size,
                          inner.runner.attention.name, inner.runner.batch_invariant,
-                         inner.runner.sampler.backend_name)
+                         inner.runner.sampler.backend_name, inner.loaded.weight_storage)
 
 
 class InProcessBackend:

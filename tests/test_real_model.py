@@ -82,9 +82,12 @@ def client(base_url: str, app: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/{app}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def test_models_names_the_real_model(base_url):
+def test_models_names_the_real_model_and_its_weights_kept_as_stored(base_url):
     for app in APPS:
-        assert [m.id for m in client(base_url, app).models.list().data] == [SERVED_NAME]
+        cards = client(base_url, app).models.list().data
+        assert [m.id for m in cards] == [SERVED_NAME]
+        # the GGUF's blocks are served as stored (engine/execution/quant/), and the card says which types
+        assert cards[0].model_extra["weight_storage"].startswith("gguf:Q4_1"), cards[0].model_extra
 
 
 @pytest.mark.parametrize("question", QUESTIONS)

@@ -47,7 +47,8 @@ class _EngineServer:
         return ModelInfo(str(inner.loaded.path), inner.loaded.model_id, inner.vocab_size, inner.max_model_len,
                          inner.config.max_iter_times, ray.get_runtime_context().get_node_id(), inner.dtype,
                          inner.config.enable_prefix_caching, inner.pad_token_id, inner.loaded.spec.hidden_size,
-                         inner.runner.attention.name, inner.runner.batch_invariant, inner.runner.sampler.backend_name)
+                         inner.runner.attention.name, inner.runner.batch_invariant, inner.runner.sampler.backend_name,
+                         inner.loaded.weight_storage)
 
     def stats(self):
         return self.engine.stats()
