@@ -83,7 +83,7 @@ class PDBackend:
                  degrade_to_prefill: bool = True) -> None:
         """``kv``: the app's KV connector (``kv_transport``), the one its P and D use."""
         self.prefill, self.decode = prefill, decode
-        self.watch = DecodeWatch(decode, stall_timeout_s / 4, stall_timeout_s)
+        self.watch = DecodeWatch(decode, stall_timeout_s / 4, stall_timeout_s, prefill)
         self.degrade_to_prefill = degrade_to_prefill
         self.kv_lease_s, self.stall_timeout_s = kv_lease_s, stall_timeout_s
         self.policy = policy

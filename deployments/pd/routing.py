@@ -3,6 +3,8 @@
 ``EngineRouter`` is the Ray Serve request router of P, D and the colocated engine; it runs in
 the ingress's process. For a call:
 
+0. never to a replica the compatibility check left unpaired (deployments/pd/compatibility.py),
+   but for calls pinned to it;
 1. pinned to a replica (the ``pinned`` keyword: D's decode and local prefill go to the D replica
    that said how much of the prompt it holds, deployments/pd/backends.py): that replica;
 2. else, among the replicas no stream found stalled (deployments/replicas/liveness.py), the one that was
@@ -87,12 +89,19 @@ _sent: dict[str, list[tuple[float, float]]] = {}  # replica id -> (time.monotoni
 _first_choices: dict[str, str] = {}  # P call's request id -> the replica ranked first for it, until answered
 FIRST_CHOICES_KEPT = 4096  # bounds _first_choices should a call end before it was routed
 _routed: dict[str, set[str]] = {}  # deployment name -> its running replicas, as Serve last told this process's router
+_unpaired: dict[str, set[str]] = {}  # deployment name -> its replicas no call may go to (deployments/pd/compatibility.py)
 
 
 def routed_replicas(deployment: str) -> set[str] | None:
     """The replica ids Serve last gave this process's router of ``deployment`` (None before it did):
     a replica joins once running; one that died leaves only when Serve's controller has noticed."""
     return _routed.get(deployment)
+
+
+def set_unpaired(deployment: str, replicas: set[str]) -> None:
+    """The replicas of ``deployment`` whose KV means something else than their pairs' (the ingress's
+    DecodeWatch pairs them): no call goes to them but those pinned there (the watch's probes)."""
+    _unpaired[deployment] = replicas
 
 
 def first_choice(request_id: str) -> str | None:
@@ -178,7 +187,11 @@ class EngineRouter(FIFOMixin, RequestRouter):
             chosen = [r for r in candidate_replicas if r.replica_id.to_full_id_str() == pinned]
             if chosen:
                 return [chosen]
-        live = liveness.preferred(candidate_replicas)
+        unpaired = routing._unpaired.get(self._deployment_id.name, set())
+        paired = [r for r in candidate_replicas if r.replica_id.to_full_id_str() not in unpaired]
+        if not paired:  # none may take it: Serve asks again as replicas change (D down sends work to P)
+            return []
+        live = liveness.preferred(paired)
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
         if not isinstance(request, GenerationRequest):
             return [random.sample(live, min(2, len(live)))]
