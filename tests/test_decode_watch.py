@@ -93,6 +93,7 @@ def test_d_is_down_once_no_replica_answered_for_the_stall_timeout_and_back_when_
         assert watch.transfers() == FETCHES  # b's alone: a silent replica's last word is not counted
         decode.silent = {"a", "b"}
         took = await until(watch.down)
+        assert watch.why_down() == "no decode replica answers"
         assert took <= STALL_S + 0.2  # its last answer was at most a probe's period before the stop
         asked = len(decode.asked)
         await asyncio.sleep(STALL_S)
@@ -153,6 +154,7 @@ def test_a_d_whose_kv_means_something_else_than_ps_is_never_answering_and_is_nam
         assert any("not paired: DecodeServer b" in r.getMessage() for r in caplog.records)
         decode.kv["a"] = other  # a restarts with b's block size: no D is paired, D is down (P serves alone)
         await until(watch.down)
+        assert watch.why_down() == "incompatible prefill/decode: no decode replica is paired with a prefill replica"
         assert routing._unpaired[DEPLOYMENT] == {"a", "b"} and routing._unpaired[PREFILL] == set()
 
     asyncio.run(run())

@@ -31,6 +31,7 @@ from ray import serve
 
 from deployments.pd import routing
 from deployments.pd.backends import PDBackend
+from deployments.pd.decode_watch import NO_ANSWER
 from deployments.pd.compatibility import INCOMPATIBLE
 from deployments.failures import REPLICA_FAILURES, root_cause
 from engine.request import PRIORITY_MIN, GenerationRequest
@@ -42,8 +43,6 @@ FRESH_S = 10.0  # a canary younger than this answers /health without a new one
 CANARY_TIMEOUT_S = 5.0
 STATUS_TIMEOUT_S = 2.0
 LIVE_CACHE_S = 0.5  # /health reads the live replicas at most this often: one registry call, whatever the polling
-NO_ANSWER = "no decode replica answers"
-NO_PAIR = f"{INCOMPATIBLE}: no decode replica is paired with a prefill replica"
 CANARY_PROMPT_TOKENS = 32  # two KV blocks at the default block size: D must hold a short prompt
 # Ray Serve's deployment states, as /health names them.
 STATES = {"HEALTHY": "healthy", "UPSCALING": "healthy", "DOWNSCALING": "healthy", "UPDATING": "pending",
@@ -126,7 +125,7 @@ class Readiness:
         pd = isinstance(self.backend, PDBackend)
         decode_down = pd and ("DecodeServer" in dead or self.backend.watch.down())
         incompatible = self.backend.watch.incompatible() if pd else []  # each unpaired replica, and why
-        why_down = NO_PAIR if decode_down and any(r.startswith("DecodeServer") for r in incompatible) else NO_ANSWER
+        why_down = NO_ANSWER if "DecodeServer" in dead or not pd else self.backend.watch.why_down()
         failing = {name: "no live replica" for name in dead}
         if decode_down and self.backend.degrade_to_prefill:
             failing.pop("DecodeServer", None)  # P serves alone: degraded, not down

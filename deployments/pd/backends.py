@@ -142,7 +142,7 @@ class PDBackend:
         """No D replica answers: P serves the whole request (its engine decodes too), counted as a
         ``prefill_only`` decision; NoDecodeReplica instead with degradation off."""
         if not self.degrade_to_prefill:
-            raise NoDecodeReplica("no decode replica answers and pd_degrade_to_prefill is off")
+            raise NoDecodeReplica(f"{self.watch.why_down()} and pd_degrade_to_prefill is off")
         if counted:
             self.decisions["prefill_only", NO_DECODE_REPLICA] += 1
         call = self.prefill.options(stream=True, _by_reference=False).generate.remote(request)

@@ -37,12 +37,14 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.failures import replica_failed
 from deployments.pd import routing
-from deployments.pd.compatibility import KVDescriptor, Pairing, pair
+from deployments.pd.compatibility import INCOMPATIBLE, KVDescriptor, Pairing, pair
 
 DEPLOYMENT = "DecodeServer"
 PREFILL = "PrefillServer"
 PROBES_IN_FLIGHT = 2  # unanswered probes a replica may have at once
 MISSED_PROBES = 2  # a silent replica is called down only once this many of its probes were missed
+NO_ANSWER = "no decode replica answers"
+NO_PAIR = f"{INCOMPATIBLE}: no decode replica is paired with a prefill replica"
 
 logger = logging.getLogger("ray.serve." + __name__)
 
@@ -171,6 +173,12 @@ class DecodeWatch(RoleWatch):
         paired with P. False until this process's router has learnt D's replicas (a probe teaches it)."""
         answering = self.answering()
         return routing.routed_replicas(DEPLOYMENT) is not None and not answering
+
+    def why_down(self) -> str:
+        """What ``down()`` means now: no D is paired with P (some D answers, none may take P's KV), or
+        none answers."""
+        unpaired = set(self.pairing.unpaired.get(DEPLOYMENT, {}))
+        return NO_PAIR if unpaired and unpaired & super().answering() else NO_ANSWER
 
     def incompatible(self) -> list[str]:
         """Each unpaired replica and the fields it differs in (compatibility.Pairing.reasons)."""
