@@ -4,6 +4,7 @@ share and leaves the others unpaired; with none shared every D is unpaired and P
 tokenizer digest follows the tokenizer's files and nothing else; a descriptor is read from an
 engine's loaded model and config. The served check: tests/test_compatibility_served.py."""
 
+import asyncio
 from dataclasses import fields, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -79,3 +80,28 @@ def test_a_descriptor_is_read_from_the_engines_model_and_config(tmp_path: Path):
         "SmolLM2", "abc", "bfloat16", "bfloat16", tokenizer_digest(tmp_path), 32, "2 x 4 x 16", 8192,
         "max_draft_tokens 8, prompt lookup 4", "rank <= 16")
     assert describe(engine, lora_enabled=False).lora == "off"
+
+
+def test_the_router_sends_calls_to_paired_replicas_alone_but_pinned_ones():
+    from deployments.pd import routing
+    from deployments.pd.routing import EngineRouter
+
+    def replica(rid: str):
+        return SimpleNamespace(replica_id=SimpleNamespace(to_full_id_str=lambda: rid), routing_stats={})
+
+    router = EngineRouter.__new__(EngineRouter)  # its routing alone: no Serve controller behind it
+    router._deployment_id = SimpleNamespace(name="DecodeServer")
+    a, b = replica("a"), replica("b")
+    probe = SimpleNamespace(kwargs={"pinned": "b"}, args=())
+    call = SimpleNamespace(kwargs={}, args=())
+    try:
+        routing.set_paired("DecodeServer", {"a"})
+        assert asyncio.run(router.choose_replicas([a, b], call)) == [[a]]
+        assert asyncio.run(router.choose_replicas([a, b], probe)) == [[b]]  # the watch's probe reaches b
+        routing.set_paired("DecodeServer", set())
+        assert asyncio.run(router.choose_replicas([a, b], call)) == []  # none may take it
+        routing.set_paired("DecodeServer", None)
+        assert sorted(r.replica_id.to_full_id_str() for r in asyncio.run(router.choose_replicas([a, b], call))[0]) \
+            == ["a", "b"]
+    finally:
+        routing._paired.clear()

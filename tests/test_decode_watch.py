@@ -70,7 +70,7 @@ def two_replicas():
     yield
     routing._routed.pop(DEPLOYMENT, None)
     routing._routed.pop(PREFILL, None)
-    routing._unpaired.clear()
+    routing._paired.clear()
 
 
 async def until(predicate, timeout_s: float = 10.0) -> float:
@@ -149,13 +149,13 @@ def test_a_d_whose_kv_means_something_else_than_ps_is_never_answering_and_is_nam
         watch.down()
         await until(lambda: watch.incompatible() != [])
         assert watch.answering() == {"a"} and not watch.down()
-        assert routing._unpaired == {PREFILL: set(), DEPLOYMENT: {"b"}}  # the router skips b
+        assert routing._paired == {PREFILL: {"p"}, DEPLOYMENT: {"a"}}  # the routers take these alone
         assert watch.incompatible() == ["DecodeServer b: incompatible prefill/decode: block_size: P has 16, D has 32"]
         assert any("not paired: DecodeServer b" in r.getMessage() for r in caplog.records)
         decode.kv["a"] = other  # a restarts with b's block size: no D is paired, D is down (P serves alone)
         await until(watch.down)
         assert watch.why_down() == "incompatible prefill/decode: no decode replica is paired with a prefill replica"
-        assert routing._unpaired[DEPLOYMENT] == {"a", "b"} and routing._unpaired[PREFILL] == set()
+        assert routing._paired == {PREFILL: None, DEPLOYMENT: set()}  # any P (alone), no D
 
     asyncio.run(run())
 

@@ -13,7 +13,8 @@ under a burst one slow probe answer does not call a live replica down (issue 55)
 as a replica failure (it died) does, at once. One new to the ingress has ``stall_timeout_s`` to answer.
 
 ``DecodeWatch`` watches D, and P beside it for its descriptors: it pairs them (compatibility.pair),
-tells the routers which replicas are unpaired (deployments/pd/routing.py skips them), logs each
+tells the routers which replicas are paired (deployments/pd/routing.py routes to those alone: an
+unpaired replica, or one not described yet, takes no request), logs each
 mismatch once, and counts an unpaired D as not answering. When no D answers, D is *down*: the PD
 backend (deployments/pd/backends.py) then runs new requests on P as a colocated engine, moves the
 ones waiting for a D there, and goes back to P then D as soon as one replica answers again.
@@ -190,11 +191,17 @@ class DecodeWatch(RoleWatch):
             await asyncio.sleep(self.heartbeat_s)
 
     def _pair(self) -> None:
-        """Pairs the replicas' descriptors again: the routers skip the unpaired, the log names each
-        mismatch the first time it is seen."""
-        self.pairing = pair(self.prefill.descriptors if self.prefill is not None else {}, self.descriptors)
-        for role in (PREFILL, DEPLOYMENT):
-            routing.set_unpaired(role, set(self.pairing.unpaired.get(role, {})))
+        """Pairs the replicas' descriptors again: the routers take the paired alone, the log names
+        each mismatch the first time it is seen."""
+        prefill = self.prefill.descriptors if self.prefill is not None else {}
+        self.pairing = pair(prefill, self.descriptors)
+        chosen = self.pairing.descriptor
+        if chosen is not None:  # a replica not described yet (new) takes no call until it is
+            routing.set_paired(PREFILL, {r for r, d in prefill.items() if d == chosen})
+            routing.set_paired(DEPLOYMENT, {r for r, d in self.descriptors.items() if d == chosen})
+        else:  # nothing to pair yet (any replica may serve), or no D may take P's KV (P serves alone)
+            routing.set_paired(PREFILL, None)
+            routing.set_paired(DEPLOYMENT, set() if DEPLOYMENT in self.pairing.unpaired else None)
         for reason in self.pairing.reasons():
             if reason not in self._named:
                 self._named.add(reason)

@@ -3,8 +3,8 @@
 ``EngineRouter`` is the Ray Serve request router of P, D and the colocated engine; it runs in
 the ingress's process. For a call:
 
-0. never to a replica the compatibility check left unpaired (deployments/pd/compatibility.py),
-   but for calls pinned to it;
+0. only to a replica the compatibility check paired (deployments/pd/compatibility.py), but for
+   calls pinned to another (the ingress's probes);
 1. pinned to a replica (the ``pinned`` keyword: D's decode and local prefill go to the D replica
    that said how much of the prompt it holds, deployments/pd/backends.py): that replica;
 2. else, among the replicas no stream found stalled (deployments/replicas/liveness.py), the one that was
@@ -89,7 +89,7 @@ _sent: dict[str, list[tuple[float, float]]] = {}  # replica id -> (time.monotoni
 _first_choices: dict[str, str] = {}  # P call's request id -> the replica ranked first for it, until answered
 FIRST_CHOICES_KEPT = 4096  # bounds _first_choices should a call end before it was routed
 _routed: dict[str, set[str]] = {}  # deployment name -> its running replicas, as Serve last told this process's router
-_unpaired: dict[str, set[str]] = {}  # deployment name -> its replicas no call may go to (deployments/pd/compatibility.py)
+_paired: dict[str, set[str] | None] = {}  # deployment name -> the only replicas calls may go to (None: any)
 
 
 def routed_replicas(deployment: str) -> set[str] | None:
@@ -98,10 +98,11 @@ def routed_replicas(deployment: str) -> set[str] | None:
     return _routed.get(deployment)
 
 
-def set_unpaired(deployment: str, replicas: set[str]) -> None:
-    """The replicas of ``deployment`` whose KV means something else than their pairs' (the ingress's
-    DecodeWatch pairs them): no call goes to them but those pinned there (the watch's probes)."""
-    _unpaired[deployment] = replicas
+def set_paired(deployment: str, replicas: set[str] | None) -> None:
+    """The replicas of ``deployment`` whose KV means what their pairs' does (the ingress's DecodeWatch
+    pairs them, deployments/pd/compatibility.py): calls go to them alone, but those pinned elsewhere
+    (the watch's probes); a replica not described yet takes none. None: no pairing, any replica."""
+    _paired[deployment] = replicas
 
 
 def first_choice(request_id: str) -> str | None:
@@ -187,9 +188,9 @@ class EngineRouter(FIFOMixin, RequestRouter):
             chosen = [r for r in candidate_replicas if r.replica_id.to_full_id_str() == pinned]
             if chosen:
                 return [chosen]
-        unpaired = routing._unpaired.get(self._deployment_id.name, set())
-        paired = [r for r in candidate_replicas if r.replica_id.to_full_id_str() not in unpaired]
-        if not paired:  # none may take it: Serve asks again as replicas change (D down sends work to P)
+        allowed = routing._paired.get(self._deployment_id.name)
+        paired = [r for r in candidate_replicas if allowed is None or r.replica_id.to_full_id_str() in allowed]
+        if not paired:  # none may take it yet: Serve asks again as the pairing changes (D down sends work to P)
             return []
         live = liveness.preferred(paired)
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
