@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.request import GenerationRequest
+from sampling.params import SamplingParams
 from deployments.pd.compatibility import INCOMPATIBLE, KVDescriptor, describe, differences, pair, tokenizer_digest
 
 BASE = KVDescriptor("tiny-llama", "w1", "float32", "float32", "t1", 16, "2 x 2 x 16", 2048,
@@ -82,7 +84,7 @@ def test_a_descriptor_is_read_from_the_engines_model_and_config(tmp_path: Path):
     assert describe(engine, lora_enabled=False).lora == "off"
 
 
-def test_the_router_sends_calls_to_paired_replicas_alone_but_pinned_ones():
+def test_the_router_sends_requests_to_paired_replicas_alone_but_pinned_calls_and_those_without_a_request():
     from deployments.pd import routing
     from deployments.pd.routing import EngineRouter
 
@@ -93,15 +95,22 @@ def test_the_router_sends_calls_to_paired_replicas_alone_but_pinned_ones():
     router._deployment_id = SimpleNamespace(name="DecodeServer")
     a, b = replica("a"), replica("b")
     probe = SimpleNamespace(kwargs={"pinned": "b"}, args=())
-    call = SimpleNamespace(kwargs={}, args=())
+    info = SimpleNamespace(kwargs={}, args=())
+    call = SimpleNamespace(kwargs={}, args=(GenerationRequest("r", [1, 2, 3], SamplingParams()),),
+                           metadata=SimpleNamespace(call_method="decode"))
     try:
         routing.set_paired("DecodeServer", {"a"})
         assert asyncio.run(router.choose_replicas([a, b], call)) == [[a]]
         assert asyncio.run(router.choose_replicas([a, b], probe)) == [[b]]  # the watch's probe reaches b
         routing.set_paired("DecodeServer", set())
         assert asyncio.run(router.choose_replicas([a, b], call)) == []  # none may take it
+        assert len(asyncio.run(router.choose_replicas([a, b], info))[0]) == 2  # a call with no request: any
         routing.set_paired("DecodeServer", None)
-        assert sorted(r.replica_id.to_full_id_str() for r in asyncio.run(router.choose_replicas([a, b], call))[0]) \
-            == ["a", "b"]
-    finally:
+        ranks = asyncio.run(router.choose_replicas([a, b], call))  # best first, then the rest
+        assert sorted(r.replica_id.to_full_id_str() for rank in ranks for r in rank) == ["a", "b"]
+    finally:  # what this process's router learnt: no other test's
         routing._paired.clear()
+        routing._indexes.pop("DecodeServer", None)
+        routing._replica_counts.pop("DecodeServer", None)
+        for rid in ("a", "b"):
+            routing._sent.pop(rid, None)

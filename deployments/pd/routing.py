@@ -3,8 +3,8 @@
 ``EngineRouter`` is the Ray Serve request router of P, D and the colocated engine; it runs in
 the ingress's process. For a call:
 
-0. only to a replica the compatibility check paired (deployments/pd/compatibility.py), but for
-   calls pinned to another (the ingress's probes);
+0. a request's call only to a replica the compatibility check paired (deployments/pd/compatibility.py),
+   but for calls pinned to another; calls with no request (the ingress's probes, info, stats) to any;
 1. pinned to a replica (the ``pinned`` keyword: D's decode and local prefill go to the D replica
    that said how much of the prompt it holds, deployments/pd/backends.py): that replica;
 2. else, among the replicas no stream found stalled (deployments/replicas/liveness.py), the one that was
@@ -188,14 +188,15 @@ class EngineRouter(FIFOMixin, RequestRouter):
             chosen = [r for r in candidate_replicas if r.replica_id.to_full_id_str() == pinned]
             if chosen:
                 return [chosen]
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if not isinstance(request, GenerationRequest):  # info, stats: any replica answers them
+            live = liveness.preferred(candidate_replicas)
+            return [random.sample(live, min(2, len(live)))]
         allowed = routing._paired.get(self._deployment_id.name)
         paired = [r for r in candidate_replicas if allowed is None or r.replica_id.to_full_id_str() in allowed]
         if not paired:  # none may take it yet: Serve asks again as the pairing changes (D down sends work to P)
             return []
         live = liveness.preferred(paired)
-        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if not isinstance(request, GenerationRequest):
-            return [random.sample(live, min(2, len(live)))]
         prefill = pending_request.metadata.call_method == "prefill"
         ranked = routing.rank(self._deployment_id.name, request, live, prefill)
         return [ranked[:1], ranked[1:]] if len(ranked) > 1 else [ranked]
