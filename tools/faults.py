@@ -9,7 +9,7 @@ text), migrations, tokens repeated or dropped (a text that is not a prefix of th
 KV blocks held on P and D and object-store bytes once the load drained, and seconds from the
 fault until a new request succeeds.
 
-    python tools/faults.py [--streams 8] [--tokens 300] [--json PATH]
+    python tools/faults.py [--streams 8] [--tokens 300] [--json PATH] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 from ray import serve  # noqa: E402
 
-from deployments.app import pd_app  # noqa: E402
+from ray.serve.schema import ServeDeploySchema  # noqa: E402
 from tests.serving import RAY_INTERNALS, migrations, processes, serve_session, sigkill, stopped, wait_until  # noqa: E402
 
 STARTED_EVENTS = 5  # events each stream has read before the fault
+APP_ARGS = {"torch_threads": 1, "dtype": "float32", "embeddings": False, "pd_local_prefill_tokens": 0}
 
 
 def bodies(streams: int, tokens: int) -> list[tuple[str, dict]]:
@@ -192,9 +193,15 @@ def disconnect_half(streams):
 
 
 def scale_prefill_down(_):
-    before = len(processes("PrefillServer"))
-    deploy(prefill_replicas=1)  # Serve drains the replica it removes (graceful shutdown)
-    return f"P replicas {before} -> {len(processes('PrefillServer'))}"
+    """P's replicas 2 -> 1 by a config deploy that changes num_replicas alone (as `serve deploy` of
+    an edited config does): Serve drains the replica it removes (graceful shutdown) and keeps every
+    other process. The proof: the kept processes are the ones that ran before."""
+    before = {name: {p.pid for p in processes(name)} for name in ("PrefillServer", "DecodeServer", "Ingress")}
+    deploy(prefill_replicas=1)
+    after = {name: {p.pid for p in processes(name)} for name in before}
+    kept = all(after[name] <= before[name] for name in before) and after["DecodeServer"] == before["DecodeServer"]
+    return (f"P replicas {len(before['PrefillServer'])} -> {len(after['PrefillServer'])}; "
+            f"{'a scale-down: every other replica kept its process' if kept else 'a roll: replicas were replaced'}")
 
 
 @dataclass
@@ -265,9 +272,23 @@ def run_row(url: str, name: str, work: list[tuple[str, dict]], references: list[
 
 
 def deploy(prefill_replicas: int = 1) -> None:
-    serve.run(pd_app({"torch_threads": 1, "dtype": "float32", "embeddings": False, "pd_local_prefill_tokens": 0},
-                     prefill_options={"num_replicas": prefill_replicas}, decode_options={"num_replicas": 2}),
-              name="pd", route_prefix="/")
+    """The PD app as a Serve config applied to the controller, what `serve deploy` sends it (the
+    dashboard's REST API, off in this session, would pass it on): its code version is the config's
+    import path and runtime env, so a change of num_replicas alone scales, where ``serve.run`` of a
+    Python app gives every deployment a new version and rolls every replica. Returns once the app runs
+    P's and D's replicas."""
+    config = ServeDeploySchema(applications=[{
+        "name": "pd", "route_prefix": "/", "import_path": "deployments.app:build_pd_app", "args": APP_ARGS,
+        "deployments": [{"name": "PrefillServer", "num_replicas": prefill_replicas},
+                        {"name": "DecodeServer", "num_replicas": 2}]}])
+    serve.context._get_global_client().deploy_apps(config)
+
+    def running() -> bool:
+        app = serve.status().applications.get("pd")
+        return (app is not None and str(app.status).endswith("RUNNING") and len(processes("DecodeServer")) == 2
+                and len(processes("PrefillServer")) == prefill_replicas)
+
+    assert wait_until(running, 300, 0.5), f"the PD app did not run {prefill_replicas} P and 2 D within 300 s"
 
 
 def reference_texts(url: str, work: list[tuple[str, dict]]) -> list[str]:
@@ -283,6 +304,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--only", help="run only the rows whose name contains this text (e.g. 'scaled down')")
     args = parser.parse_args()
     work = bodies(args.streams, args.tokens)
     with serve_session() as url:
@@ -290,7 +312,7 @@ def main() -> None:
         references = reference_texts(url, work)
         baseline = {"blocks_held": blocks_held(), "object_store_bytes": object_store_bytes()}
         rows = []
-        for name in FAULTS:
+        for name in [n for n in FAULTS if args.only is None or args.only in n]:
             rows.append(run_row(url, name, work, references))
             print(json.dumps(rows[-1]), flush=True)
             until_success(url, time.monotonic())

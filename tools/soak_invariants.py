@@ -13,6 +13,9 @@ holds once the load has drained. Each check returns its violations, named; none 
 - ``object_store_at_baseline``: Ray's object store is back to its bytes before the load.
 - ``rss_growth_bounded``: each process's RSS after its warm-up grew at most ``RSS_GROWTH_BOUND``.
 - ``faults_proven``: each injected fault has its proof.
+- ``no_false_degradation``: PD never fell back to P alone (no D replica answering the ingress's
+  probes, as /metrics said) outside a fault on D and ``DEGRADATION_GRACE_S`` after it: a burst on a
+  loaded box must not call live D replicas down (issue 55).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tools.soak_mix import Record
 CLEAN_ERROR_CODES = {"replica_unavailable", "engine_timeout", "timeout"}  # docs/serving.md's failure table
 RSS_GROWTH_BOUND = 0.10
 OBJECT_STORE_SLACK_BYTES = 64 << 10  # below one long prompt's KV (> 100 KiB)
+DEGRADATION_GRACE_S = 10.0  # a D fault's effect on D's answers: its window and this long after
 
 
 def is_prefix(texts: dict[int, str], reference: dict[int, str]) -> bool:
@@ -119,6 +123,14 @@ def faults_proven(faults: list[dict]) -> list[str]:
     return [f"{f['kind']}: not proven ({f.get('proof')})" for f in faults if not f.get("proven")]
 
 
+def no_false_degradation(samples: list[tuple[float, int]], faults: list[dict]) -> list[str]:
+    """``samples``: (time.monotonic(), D replicas answering) read from the ingress's /metrics during
+    the load; a 0 outside every D fault's window is a false degradation."""
+    windows = [(f["at"], f["until"] + DEGRADATION_GRACE_S) for f in faults if f["kind"].endswith("DecodeServer")]
+    return [f"no decode replica answering at {at:.1f} (monotonic s), no fault on D then" for at, answering in samples
+            if answering == 0 and not any(start <= at <= stop for start, stop in windows)]
+
+
 def _key(record: Record) -> str:
     return reference_key(record.work)
 
@@ -142,4 +154,5 @@ def check(records: list[Record], references: dict[str, dict[int, str]], drained:
                                                              drained["object_store_after"]),
         "rss_growth_bounded": rss_growth_bounded(drained["rss"]),
         "faults_proven": faults_proven(drained["faults"]),
+        "no_false_degradation": no_false_degradation(drained.get("decode_answering", []), drained["faults"]),
     }

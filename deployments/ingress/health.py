@@ -31,6 +31,8 @@ from ray import serve
 
 from deployments.pd import routing
 from deployments.pd.backends import PDBackend
+from deployments.pd.decode_watch import NO_ANSWER
+from deployments.pd.compatibility import INCOMPATIBLE
 from deployments.failures import REPLICA_FAILURES, root_cause
 from engine.request import PRIORITY_MIN, GenerationRequest
 from sampling.params import SamplingParams
@@ -41,7 +43,6 @@ FRESH_S = 10.0  # a canary younger than this answers /health without a new one
 CANARY_TIMEOUT_S = 5.0
 STATUS_TIMEOUT_S = 2.0
 LIVE_CACHE_S = 0.5  # /health reads the live replicas at most this often: one registry call, whatever the polling
-NO_ANSWER = "no decode replica answers"
 CANARY_PROMPT_TOKENS = 32  # two KV blocks at the default block size: D must hold a short prompt
 # Ray Serve's deployment states, as /health names them.
 STATES = {"HEALTHY": "healthy", "UPSCALING": "healthy", "DOWNSCALING": "healthy", "UPDATING": "pending",
@@ -99,6 +100,11 @@ def describe(error: BaseException) -> str:
     return f"{type(cause).__name__}: {cause}" if isinstance(cause, ValueError) else type(cause).__name__
 
 
+def _named(incompatible: list[str]) -> dict:
+    """/health's list of unpaired replicas, each with the fields it differs in; nothing when none is."""
+    return {"incompatible": incompatible} if incompatible else {}
+
+
 class Readiness:
     """The canary and the deployments' states behind ``/health``.
 
@@ -118,11 +124,13 @@ class Readiness:
         dead = await self.without_replicas()
         pd = isinstance(self.backend, PDBackend)
         decode_down = pd and ("DecodeServer" in dead or self.backend.watch.down())
+        incompatible = self.backend.watch.incompatible() if pd else []  # each unpaired replica, and why
+        why_down = NO_ANSWER if "DecodeServer" in dead or not pd else self.backend.watch.why_down()
         failing = {name: "no live replica" for name in dead}
         if decode_down and self.backend.degrade_to_prefill:
             failing.pop("DecodeServer", None)  # P serves alone: degraded, not down
         elif decode_down:
-            failing.setdefault("DecodeServer", NO_ANSWER)
+            failing.setdefault("DecodeServer", why_down)
         if pd and (stuck := self.backend.watch.transfers())["past_deadline"]:
             failing.setdefault("DecodeServer", f"{stuck['past_deadline']} KV transfer(s) past their deadline, "
                                                f"the oldest {stuck['oldest_s']:.0f} s old")
@@ -130,7 +138,7 @@ class Readiness:
             self.last = None  # a canary from before the loss says nothing of the replicas that replace it
             states = {name: {"status": "healthy"} for name in self.expected}
             states.update({name: {"status": "failing", "reason": reason} for name, reason in failing.items()})
-            return False, {"status": "unavailable", "deployments": states}
+            return False, {"status": "unavailable", "deployments": states, **_named(incompatible)}
         async with self._lock:  # one canary at a time; a waiter reads the result it left
             if not (self.last and self.last.ok and time.monotonic() - self.last.at < FRESH_S
                     and self.last.prefill_only == decode_down):
@@ -138,8 +146,11 @@ class Readiness:
         if self.last.ok:
             age = round(time.monotonic() - self.last.at, 3)
             if decode_down:
-                return True, {"status": "degraded", "reason": f"{NO_ANSWER}: prefill replicas decode",
-                              "canary_age_s": age}
+                return True, {"status": "degraded", "reason": f"{why_down}: prefill replicas decode",
+                              "canary_age_s": age, **_named(incompatible)}
+            if incompatible:  # pairs serve; the unpaired replicas take no request
+                return True, {"status": "degraded", "reason": f"{INCOMPATIBLE}: unpaired replicas take no request",
+                              "canary_age_s": age, **_named(incompatible)}
             return True, {"status": "ok", "canary_age_s": age}
         deployments = await self.deployment_states()
         if self.last.deployment and deployments.get(self.last.deployment, {}).get("status") == "healthy":

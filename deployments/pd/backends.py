@@ -83,7 +83,7 @@ class PDBackend:
                  degrade_to_prefill: bool = True) -> None:
         """``kv``: the app's KV connector (``kv_transport``), the one its P and D use."""
         self.prefill, self.decode = prefill, decode
-        self.watch = DecodeWatch(decode, stall_timeout_s / 4, stall_timeout_s)
+        self.watch = DecodeWatch(decode, stall_timeout_s / 4, stall_timeout_s, prefill)
         self.degrade_to_prefill = degrade_to_prefill
         self.kv_lease_s, self.stall_timeout_s = kv_lease_s, stall_timeout_s
         self.policy = policy
@@ -143,7 +143,7 @@ class PDBackend:
         """No D replica answers: P serves the whole request (its engine decodes too), counted as a
         ``prefill_only`` decision; NoDecodeReplica instead with degradation off."""
         if not self.degrade_to_prefill:
-            raise NoDecodeReplica("no decode replica answers and pd_degrade_to_prefill is off")
+            raise NoDecodeReplica(f"{self.watch.why_down()} and pd_degrade_to_prefill is off")
         if counted:
             self.decisions["prefill_only", NO_DECODE_REPLICA] += 1
         call = self.prefill.options(stream=True, _by_reference=False).generate.remote(request)

@@ -3,6 +3,8 @@
 ``EngineRouter`` is the Ray Serve request router of P, D and the colocated engine; it runs in
 the ingress's process. For a call:
 
+0. a request's call only to a replica the compatibility check paired (deployments/pd/compatibility.py),
+   but for calls pinned to another; calls with no request (the ingress's probes, info, stats) to any;
 1. pinned to a replica (the ``pinned`` keyword: D's decode and local prefill go to the D replica
    that said how much of the prompt it holds, deployments/pd/backends.py): that replica;
 2. else, among the replicas no stream found stalled (deployments/replicas/liveness.py), the one that was
@@ -87,12 +89,20 @@ _sent: dict[str, list[tuple[float, float]]] = {}  # replica id -> (time.monotoni
 _first_choices: dict[str, str] = {}  # P call's request id -> the replica ranked first for it, until answered
 FIRST_CHOICES_KEPT = 4096  # bounds _first_choices should a call end before it was routed
 _routed: dict[str, set[str]] = {}  # deployment name -> its running replicas, as Serve last told this process's router
+_paired: dict[str, set[str] | None] = {}  # deployment name -> the only replicas calls may go to (None: any)
 
 
 def routed_replicas(deployment: str) -> set[str] | None:
     """The replica ids Serve last gave this process's router of ``deployment`` (None before it did):
     a replica joins once running; one that died leaves only when Serve's controller has noticed."""
     return _routed.get(deployment)
+
+
+def set_paired(deployment: str, replicas: set[str] | None) -> None:
+    """The replicas of ``deployment`` whose KV means what their pairs' does (the ingress's DecodeWatch
+    pairs them, deployments/pd/compatibility.py): calls go to them alone, but those pinned elsewhere
+    (the watch's probes); a replica not described yet takes none. None: no pairing, any replica."""
+    _paired[deployment] = replicas
 
 
 def first_choice(request_id: str) -> str | None:
@@ -178,10 +188,15 @@ class EngineRouter(FIFOMixin, RequestRouter):
             chosen = [r for r in candidate_replicas if r.replica_id.to_full_id_str() == pinned]
             if chosen:
                 return [chosen]
-        live = liveness.preferred(candidate_replicas)
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if not isinstance(request, GenerationRequest):
+        if not isinstance(request, GenerationRequest):  # info, stats: any replica answers them
+            live = liveness.preferred(candidate_replicas)
             return [random.sample(live, min(2, len(live)))]
+        allowed = routing._paired.get(self._deployment_id.name)
+        paired = [r for r in candidate_replicas if allowed is None or r.replica_id.to_full_id_str() in allowed]
+        if not paired:  # none may take it yet: Serve asks again as the pairing changes (D down sends work to P)
+            return []
+        live = liveness.preferred(paired)
         prefill = pending_request.metadata.call_method == "prefill"
         ranked = routing.rank(self._deployment_id.name, request, live, prefill)
         return [ranked[:1], ranked[1:]] if len(ranked) > 1 else [ranked]

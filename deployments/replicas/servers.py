@@ -17,6 +17,8 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from deployments.pd import compatibility
+from deployments.pd.compatibility import KVDescriptor
 from deployments.pd.disaggregation import DecodeLoad
 from deployments.pd.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.failures import PrefixLost, ReplicaGone
@@ -176,13 +178,41 @@ class LLMServer(_StreamingServer):
     """Prefill and decode in one engine: small deployments, and the baseline for PD."""
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
-class PrefillServer(_StreamingServer):
+@dataclass
+class ProbeAnswer:
+    """A P or D replica's answer to the ingress's probe (``answering``, deployments/pd/decode_watch.py)."""
+
+    replica: str  # its Serve id
+    transfers: dict  # its KV fetches (KVConnector.transfer_health)
+    kv: KVDescriptor  # what its KV means (deployments/pd/compatibility.py)
+
+
+class _KVServer(_StreamingServer):
+    """P or D: a server whose KV crosses to the other role, through the app's KV connector."""
+
     def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float,
-                 step_timeout_s: float, kv: KVConnector | None = None) -> None:
+                 step_timeout_s: float, kv: KVConnector | None) -> None:
         """``kv``: the app's KV connector (``kv_transport``), the object store's by default."""
         super().__init__(engine_config, lora_store, max_loras, heartbeat_s, step_timeout_s)
         self.kv = kv or ObjectStoreConnector()
+        self.kv_descriptor = compatibility.describe(self.engine.engine, lora_store is not None)  # once, at start
+
+    def answering(self, pinned: str | None = None) -> ProbeAnswer | None:
+        """This replica's id, KV fetches and KV descriptor while it can serve (``responsive``), else
+        None: the ingress's probe (deployments/pd/decode_watch.py), ``pinned`` to the replica it asks."""
+        return ProbeAnswer(replica_id(), self.kv.transfer_health(), self.kv_descriptor) if self.responsive() else None
+
+    def kv_transfers(self) -> dict:
+        """Transfers into this replica so far: count, bytes, seconds; in flight now, the oldest's age,
+        past their deadline, failed by cause (KVConnector.transfer_health)."""
+        return self.kv.transfer_health()
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
+class PrefillServer(_KVServer):
+    def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float,
+                 step_timeout_s: float, kv: KVConnector | None = None) -> None:
+        super().__init__(engine_config, lora_store, max_loras, heartbeat_s, step_timeout_s, kv)
 
     async def prefill(self, request: GenerationRequest, kv_export_start: int = 0
                       ) -> AsyncIterator[Accepted | Heartbeat | PrefillReply | Any]:
@@ -209,14 +239,6 @@ def _fault_hooks_on() -> None:
 
 
 @dataclass
-class DecodeAnswer:
-    """A D replica's answer to the ingress's probe (``DecodeServer.answering``)."""
-
-    replica: str  # its Serve id
-    transfers: dict  # its KV fetches (KVConnector.transfer_health)
-
-
-@dataclass
 class DecodePlan:
     """A D replica's answer before P works (``DecodeServer.plan``)."""
 
@@ -226,13 +248,12 @@ class DecodePlan:
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
-class DecodeServer(_StreamingServer):
+class DecodeServer(_KVServer):
     def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float,
                  step_timeout_s: float, hold_s: float, kv: KVConnector | None = None) -> None:
         """``hold_s``: how long a prefix told to the ingress is kept for a request that does not come;
         ``kv``: the app's KV connector, P's transport (the object store's by default)."""
-        super().__init__(engine_config, lora_store, max_loras, heartbeat_s, step_timeout_s)
-        self.kv = kv or ObjectStoreConnector()
+        super().__init__(engine_config, lora_store, max_loras, heartbeat_s, step_timeout_s, kv)
         self.hold_s = hold_s
 
     async def plan(self, request: GenerationRequest) -> DecodePlan:
@@ -268,18 +289,8 @@ class DecodeServer(_StreamingServer):
                 previous = self.meter.sent(outputs, previous)
                 yield outputs
 
-    def answering(self, pinned: str | None = None) -> DecodeAnswer | None:
-        """This replica's id and KV fetches while it can serve (``responsive``), else None: the
-        ingress's probe of D (deployments/pd/decode_watch.py), ``pinned`` to the replica it asks."""
-        return DecodeAnswer(replica_id(), self.kv.transfer_health()) if self.responsive() else None
-
     def hang_next_fetch(self, seconds: float) -> None:
         """The tests' fault hook: this replica's next KV fetch takes ``seconds`` longer, as over a slow
         or stuck link (KVConnector.fetch); refused as ``hang_next_step`` is."""
         _fault_hooks_on()
         self.kv.hang_next_s = seconds
-
-    def kv_transfers(self) -> dict:
-        """Transfers into this replica so far: count, bytes, seconds; in flight now, the oldest's age,
-        past their deadline, failed by cause (KVConnector.transfer_health)."""
-        return self.kv.transfer_health()
