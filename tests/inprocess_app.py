@@ -28,6 +28,7 @@ from deployments.config import AppArgs
 from deployments.ingress.engine_client import ServeEngineClient
 from deployments.ingress import http_app
 from deployments.ingress.ingress import Ingress, served_settings
+from dialects.databricks import DatabricksServing
 from dialects.mindie_serving import MindIEServing
 from dialects.openai_serving import OpenAIServing
 from dialects.responses import ResponseStore
@@ -36,7 +37,8 @@ from engine.model_info import ModelInfo
 
 # path -> the ingress's route method that answers it (each takes (self, body, http)).
 ROUTES = {"/infer_token": "infer_token", "/v1/chat/completions": "chat_completions",
-          "/v1/completions": "completions", "/v1/responses": "create_response", "/v1/messages": "messages"}
+          "/v1/completions": "completions", "/v1/responses": "create_response", "/v1/messages": "messages",
+          "/serving-endpoints/{name}/invocations": "invocations"}
 WAIT_S = 120  # one request's bound: a loaded 2-core box's first steps, never a verdict
 
 
@@ -76,7 +78,9 @@ def ingress_view(engine: AsyncEngine, args: AppArgs, tokenizer_dir: Path | None 
                                Admission(None, "LLMServer", args.admission_tokens_per_replica,
                                          args.max_ongoing_requests, lambda _: 1),
                                args.max_migrations, lambda trace, outcome: None)
-    return SimpleNamespace(openai=OpenAIServing(client), mindie=MindIEServing(client), responses=ResponseStore())
+    openai = OpenAIServing(client)
+    return SimpleNamespace(openai=openai, mindie=MindIEServing(client), databricks=DatabricksServing(openai),
+                           responses=ResponseStore())
 
 
 def routes_app(view: SimpleNamespace) -> FastAPI:
@@ -98,9 +102,9 @@ def routes_app(view: SimpleNamespace) -> FastAPI:
 
 def bound(view: SimpleNamespace, method):
     """``method`` (the ingress's route) as a route function of (body, http) on ``view``, its
-    body's type the route's own."""
+    body's type the route's own; the path's parameters (Databricks' endpoint name) by name."""
     async def route(body, http: Request):
-        return await method(view, body, http)
+        return await method(view, body=body, http=http, **http.path_params)
 
     route.__annotations__ = {"body": method.__annotations__["body"], "http": Request}
     return route

@@ -231,3 +231,19 @@ def test_a_key_past_its_tokens_per_minute_gets_429_in_the_route_dialect(base_url
                          json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert refused.status_code == 429 and "Retry-After" in refused.headers
     assert refused.json()["error"]["type"] == "rate_limit_error" and "tpm" in refused.json()["error"]["message"]
+    # MindIE's route carries err_msg beside OpenAI's object; Databricks' answers in its own shape.
+    refused = httpx.post(f"{base_url}/infer_token", headers={"Authorization": "Bearer sk-few"}, timeout=60,
+                         json={"input_id": [1, 5, 9], "parameters": {"max_new_tokens": 2}})
+    assert refused.status_code == 429 and "tpm" in refused.json()["details"]["err_msg"]
+    assert refused.json()["generated_text"] == "" and refused.json()["error"]["code"] == "rate_limit_exceeded"
+    refused = httpx.post(f"{base_url}/serving-endpoints/{MODEL}/invocations", timeout=60,
+                         headers={"Authorization": "Bearer sk-few"}, json={"prompt": "hi", "max_tokens": 2})
+    assert refused.status_code == 429 and "Retry-After" in refused.headers
+    assert refused.json()["error_code"] == "REQUEST_LIMIT_EXCEEDED" and "tpm" in refused.json()["message"]
+
+
+def test_a_body_too_large_for_infer_token_carries_err_msg(base_url):
+    refused = httpx.post(f"{base_url}/infer_token", timeout=60,
+                         json={"input_id": [5] * (1 << 21), "parameters": {"max_new_tokens": 2}})
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "body_too_large"
+    assert refused.json()["details"]["err_msg"] == refused.json()["error"]["message"]
