@@ -33,19 +33,6 @@ ERROR_CODES = {400: "INVALID_PARAMETER_VALUE", 401: "UNAUTHENTICATED", 404: "RES
                503: "TEMPORARILY_UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
 
-class DatabricksError(BaseModel):
-    """Every error of the invocations route (documented in /openapi.json)."""
-
-    error_code: str
-    message: str
-
-
-def documented(*statuses: int) -> dict:
-    """``responses=`` of the invocations route: its error statuses, with Databricks' body."""
-    return {status: {"model": DatabricksError, "description": ERROR_CODES.get(status, "INTERNAL_ERROR")}
-            for status in statuses}
-
-
 def is_route(path: str) -> bool:
     return path.startswith(ROUTE_PREFIX) and path.endswith(ROUTE_SUFFIX)
 
