@@ -243,7 +243,8 @@ def test_databricks_invocations_answer_each_task_as_its_openai_route(base_url):
     embedded = invoke("all-MiniLM-L6-v2", {"input": texts})
     assert embedded.status_code == 200, embedded.text
     expected = httpx.post(f"{base_url}/pd/v1/embeddings", json={"input": texts}, timeout=60).json()
-    assert [d["embedding"] for d in embedded.json()["data"]] == [d["embedding"] for d in expected["data"]]
+    for got, want in zip(embedded.json()["data"], expected["data"], strict=True):
+        assert got["embedding"] == pytest.approx(want["embedding"], abs=1e-6)
     missing = invoke("no-such-endpoint", chat)
     assert missing.status_code == 404 and missing.json()["error_code"] == "RESOURCE_DOES_NOT_EXIST"
 
