@@ -95,7 +95,8 @@ def test_infer_token_and_chat_over_https_verified_against_the_certificate(https)
     url, cert = https
     verified = ssl.create_default_context(cafile=str(cert))
     with httpx.Client(verify=verified, timeout=120) as client:
-        infer = client.post(f"{url}/infer_token", json={"input_id": [1, 5, 9], "parameters": {"max_new_tokens": 4, "details": True}})
+        infer = client.post(f"{url}/infer_token",
+                            json={"input_id": [1, 5, 9], "parameters": {"max_new_tokens": 4, "details": True}})
         assert infer.status_code == 200, infer.text
         assert isinstance(infer.json()["generated_text"], str) and 0 < infer.json()["details"]["generated_tokens"] <= 4
         chat = client.post(f"{url}/v1/chat/completions", json={
