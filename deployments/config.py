@@ -18,6 +18,10 @@ from engine.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from engine.execution.loader import TINY_LLAMA
 
 
+# Ray Serve's HTTPOptions that make its proxy serve https (ray/serve/config.py): the config's, not an app's.
+TLS_OPTIONS = ("ssl_keyfile", "ssl_certfile", "ssl_keyfile_password", "ssl_ca_certs")
+
+
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -133,6 +137,18 @@ class AppArgs(BaseModel):
                                     "minute (deployments/ingress/rate_limits.py); none by default")
     traces_exporter: Literal["none", "console"] = Field(
         "none", description="OpenTelemetry spans of each request: none, or console (the ingress's stdout)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tls_is_the_proxys(cls, args):
+        """A key or certificate among the app's arguments: refused with where it goes. TLS is Ray
+        Serve's proxy's (the config's ``http_options``), which the proxy reads before any app is built."""
+        named = sorted(k for k in args if str(k) in TLS_OPTIONS) if isinstance(args, dict) else []
+        if named:
+            raise ValueError(f"{named[0]}: TLS is set in the Serve config's http_options (ssl_keyfile and "
+                             "ssl_certfile, beside host and port), not among an application's args; see "
+                             "configs/tls.yaml and docs/operations.md, \"HTTPS\"")
+        return args
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":

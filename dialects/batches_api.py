@@ -2,13 +2,17 @@
 and the lines of the output and error files.
 
 An input file holds one request per line, ``{"custom_id": "…", "method": "POST", "url":
-"/v1/chat/completions", "body": {…}}``; every line is checked before any runs (``check_lines``):
-a file with one bad line fails the whole batch with the line's error, and no line runs. A line's
-result is one output line, ``{"id": "batch_req_…", "custom_id": "…", "response": {"status_code":
-200, "request_id": "…", "body": {…}}, "error": null}``: a 2xx answer goes to the output file, any
-other answer (the endpoint refused the body, a timeout) to the error file with its status and
-body, and a line the batch never ran (cancelled, expired) to the error file with ``response``
-null and ``error`` {code, message} (``batch_cancelled``, ``batch_expired``).
+"/v1/chat/completions", "body": {…}}``; the file is checked before any line runs (``check_lines``)
+for what OpenAI's validation refuses, a malformed file: a line that is not JSON, lacks
+custom_id / method / url / body, repeats a custom_id, names another URL than the batch's endpoint,
+or names another model than the lines before it. Such a file fails the whole batch with the
+lines' errors, and no line runs. A line's body is the endpoint's to judge: each line's result is
+one output line, ``{"id": "batch_req_…", "custom_id": "…", "response": {"status_code": 200,
+"request_id": "…", "body": {…}}, "error": null}``: a 2xx answer goes to the output file, any other
+answer (the endpoint refused the body: its 4xx body; a timeout) to the error file with its status
+and body, and a line the batch never ran (cancelled, expired) to the error file with ``response``
+null and ``error`` {code, message} (``batch_cancelled``, ``batch_expired``). Neither file promises
+an order (OpenAI's neither): a line's result is found by its custom_id.
 """
 
 from __future__ import annotations
@@ -16,22 +20,21 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Literal
+from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
-from dialects.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from dialects.responses_schema import ResponsesRequest
+from dialects.errors import error_body
 
-# The endpoints a batch may run, with the schema of their body.
-ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-             "/v1/embeddings": EmbeddingRequest, "/v1/responses": ResponsesRequest}
+# The endpoints a batch may run.
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
+ENDPOINTS = frozenset(get_args(Endpoint))
 COMPLETION_WINDOW_S = 24 * 3600
 MAX_METADATA_PAIRS = 16
 # The statuses a batch ends in (validating, in_progress, finalizing and cancelling move on).
 FINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 # A line's body may not say these: batch lines are answered whole and run at the batch's priority.
+# Such a line is refused on its own (its 400 in the error file), as the endpoint refuses a body.
 REFUSED_BODY_FIELDS = {"stream": "batch lines are answered whole, not streamed",
                        "priority": "batch lines run at the batch priority (docs/api.md, \"Batches\")"}
 
@@ -81,19 +84,25 @@ def line_error(line: int, code: str, message: str, param: str | None = None) -> 
 
 def check_lines(text: str, endpoint: str) -> tuple[list[tuple[str, dict]], list[dict]]:
     """The input's requests as (custom_id, body), in order, and the errors of the lines that do not
-    validate: not JSON, no custom_id, one seen before, a method but POST, another endpoint, a body
-    that the endpoint's schema refuses. Blank lines are skipped; their numbers still count."""
+    validate: not JSON, no custom_id, one seen before, a method but POST, another endpoint, no body
+    object, a model other than the first line's. Blank lines are skipped; their numbers still count."""
     requests: list[tuple[str, dict]] = []
     errors: list[dict] = []
     seen: set[str] = set()
+    model: str | None = None  # the first line's; every line names it or none
     for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
         error = _line_error(number, raw, endpoint, seen)
+        item = json.loads(raw) if error is None else None
+        named = item["body"].get("model") if item is not None else None
+        if error is None and named is not None and model is not None and named != model:
+            error = line_error(number, "mixed_models", f"body.model: {named!r}; a batch runs one model and its "
+                                                       f"first line names {model!r}", "body.model")
         if error is not None:
             errors.append(error)
             continue
-        item = json.loads(raw)
+        model = model if model is not None else named
         seen.add(item["custom_id"])
         requests.append((item["custom_id"], item["body"]))
     if not requests and not errors:
@@ -127,17 +136,14 @@ def _line_error(number: int, raw: str, endpoint: str, seen: set[str]) -> dict | 
     body = item.get("body")
     if not isinstance(body, dict):
         return line_error(number, "invalid_request", "body: a JSON object is required", "body")
+    return None
+
+
+def body_refusal(body: dict) -> dict | None:
+    """The 400 body a line gets without being sent, for a field no batch line may carry (None: send it)."""
     for name, why in REFUSED_BODY_FIELDS.items():
         if body.get(name) not in (None, False):
-            return line_error(number, "invalid_request", f"body.{name}: not accepted; {why}", f"body.{name}")
-    try:
-        ENDPOINTS[endpoint].model_validate(body)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        param = f"body.{where}" if where else "body"
-        return line_error(number, "invalid_request", f"{param}: {first.get('msg', '').removeprefix('Value error, ')}",
-                          param)
+            return error_body(400, f"{name}: not accepted in a batch line; {why}", name, "invalid_value")
     return None
 
 

@@ -30,6 +30,7 @@ from deployments.config import AppArgs
 from deployments.ingress.engine_client import ServeEngineClient
 from deployments.ingress import http_app
 from deployments.ingress.ingress import Ingress, served_settings
+from dialects.databricks import DatabricksServing
 from dialects.mindie_serving import MindIEServing
 from dialects.openai_serving import OpenAIServing
 from dialects.responses import ResponseStore
@@ -38,7 +39,8 @@ from engine.model_info import ModelInfo
 
 # path -> the ingress's route method that answers it (each takes (self, body, http)).
 ROUTES = {"/infer_token": "infer_token", "/v1/chat/completions": "chat_completions",
-          "/v1/completions": "completions", "/v1/responses": "create_response", "/v1/messages": "messages"}
+          "/v1/completions": "completions", "/v1/responses": "create_response", "/v1/messages": "messages",
+          "/serving-endpoints/{name}/invocations": "invocations"}
 WAIT_S = 120  # one request's bound: a loaded 2-core box's first steps, never a verdict
 
 
@@ -77,7 +79,9 @@ def ingress_view(engine: AsyncEngine, args: AppArgs, tokenizer_dir: Path | None 
                                Admission(None, "LLMServer", args.admission_tokens_per_replica,
                                          args.max_ongoing_requests, lambda _: 1),
                                args.max_migrations, lambda trace, outcome: None)
-    return SimpleNamespace(openai=OpenAIServing(client), mindie=MindIEServing(client), responses=ResponseStore())
+    openai = OpenAIServing(client)
+    return SimpleNamespace(openai=openai, mindie=MindIEServing(client), databricks=DatabricksServing(openai),
+                           responses=ResponseStore())
 
 
 def routes_app(view_of: Callable[[], SimpleNamespace]) -> FastAPI:
@@ -99,11 +103,12 @@ def routes_app(view_of: Callable[[], SimpleNamespace]) -> FastAPI:
 
 def bound(view_of: Callable[[], SimpleNamespace], method):
     """``method`` (the ingress's route) as a route function of (body, http) on ``view_of()``, its
-    body's type the route's own. The view is looked up at each call, not held: FastAPI keeps every
-    route function in a module-level cache (fastapi.dependencies.models), and a route holding its
-    view kept the view's engine, KV pool and weights, in the driver for the rest of the suite."""
+    body's type the route's own; the path's parameters (Databricks' endpoint name) by name. The view
+    is looked up at each call, not held: FastAPI keeps every route function in a module-level cache
+    (fastapi.dependencies.models), and a route holding its view kept the view's engine, KV pool and
+    weights, in the driver for the rest of the suite."""
     async def route(body, http: Request):
-        return await method(view_of(), body, http)
+        return await method(view_of(), body=body, http=http, **http.path_params)
 
     route.__annotations__ = {"body": method.__annotations__["body"], "http": Request}
     return route

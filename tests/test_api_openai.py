@@ -224,6 +224,31 @@ def test_embeddings_equal_sentence_transformers(base_url, encoding):
     assert response.usage.prompt_tokens > 0
 
 
+def test_databricks_invocations_answer_each_task_as_its_openai_route(base_url):
+    """POST /serving-endpoints/{name}/invocations (seeds/002): the body's field picks the task, the
+    endpoint the model; greedy chat and completions answer as their /v1 routes do, embeddings equal
+    /v1/embeddings'. An endpoint naming no served model is Databricks' 404."""
+    def invoke(endpoint: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{base_url}/pd/serving-endpoints/{endpoint}/invocations", json=body, timeout=120)
+
+    chat = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    completion = {"prompt": ["Hello there", "Once upon"], "max_tokens": 6, "temperature": 0}
+    for body, route in ((chat, "chat/completions"), (completion, "completions")):
+        answer = invoke(MODEL, body)
+        assert answer.status_code == 200, answer.text
+        expected = httpx.post(f"{base_url}/pd/v1/{route}", json={**body, "model": MODEL}, timeout=120).json()
+        assert answer.json()["model"] == MODEL and answer.json()["object"] == expected["object"]
+        assert answer.json()["choices"] == expected["choices"] and answer.json()["usage"] == expected["usage"]
+    texts = ["The quick brown fox.", "Grüße aus Köln"]
+    embedded = invoke("all-MiniLM-L6-v2", {"input": texts})
+    assert embedded.status_code == 200, embedded.text
+    expected = httpx.post(f"{base_url}/pd/v1/embeddings", json={"input": texts}, timeout=60).json()
+    for got, want in zip(embedded.json()["data"], expected["data"], strict=True):
+        assert got["embedding"] == pytest.approx(want["embedding"], abs=1e-6)
+    missing = invoke("no-such-endpoint", chat)
+    assert missing.status_code == 404 and missing.json()["error_code"] == "RESOURCE_DOES_NOT_EXIST"
+
+
 def test_errors_come_as_the_clients_exception_classes(base_url):
     c = client(base_url, "pd")
     with pytest.raises(openai.NotFoundError) as error:

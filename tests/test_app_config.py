@@ -26,7 +26,7 @@ def test_cluster_yaml_passes_rays_validation():
     assert types["decode_worker"]["resources"]["decode"] > 0
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "colocated.yaml", "pd-autoscale.yaml"])
+@pytest.mark.parametrize("name", ["local.yaml", "colocated.yaml", "pd-autoscale.yaml", "tls.yaml"])
 def test_serve_configs_are_valid_and_loopback(name):
     config = yaml.safe_load((ROOT / "configs" / name).read_text())
     ServeDeploySchema.model_validate(config)

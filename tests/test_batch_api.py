@@ -99,14 +99,16 @@ def test_an_upload_out_of_bounds_is_refused_by_name_and_not_stored(base_url, con
 
 def test_batch_output_equals_the_same_requests_one_by_one(base_url):
     """Through PD at temperature 0: each line's answer is the one the route gives the same body; a
-    body the route refuses at run time is answered in the error file with its status."""
+    body the route refuses (over the served cap, out of the schema's range, asking to stream) is
+    that line's 400 in the error file, and the batch completes with the others."""
     client = sdk(base_url)
-    lines = [chat_line(i) for i in range(4)] + [chat_line(99, max_tokens=100000)]  # over the served cap: a 400
+    refused_lines = [chat_line(97, max_tokens=100000), chat_line(98, temperature=9), chat_line(99, stream=True)]
+    lines = [chat_line(i) for i in range(4)] + refused_lines
     batch = run_batch(client, lines)
     assert batch.status == "validating" and batch.metadata == {"suite": "test_batch_api"}
     done = poll(base_url, batch.id, lambda b: b["status"] in FINAL)
     assert done["status"] == "completed", done
-    assert done["request_counts"] == {"total": 5, "completed": 4, "failed": 1}
+    assert done["request_counts"] == {"total": 7, "completed": 4, "failed": 3}
     assert all(done[f] for f in ("in_progress_at", "finalizing_at", "completed_at"))
 
     outputs = {o["custom_id"]: o for o in output_lines(client, done["output_file_id"])}
@@ -119,9 +121,9 @@ def test_batch_output_equals_the_same_requests_one_by_one(base_url):
         assert answer["body"]["choices"][0]["finish_reason"] == direct.choices[0].finish_reason
         assert (answer["body"]["usage"]["prompt_tokens"], answer["body"]["usage"]["completion_tokens"]) == (
             direct.usage.prompt_tokens, direct.usage.completion_tokens)
-    (refused,) = output_lines(client, done["error_file_id"])
-    assert refused["custom_id"] == "req-99" and refused["response"]["status_code"] == 400
-    assert refused["response"]["body"]["error"]["param"] == "max_tokens"
+    refused = {r["custom_id"]: r["response"] for r in output_lines(client, done["error_file_id"])}
+    assert {cid: (r["status_code"], r["body"]["error"]["param"]) for cid, r in refused.items()} == {
+        "req-97": (400, "max_tokens"), "req-98": (400, "temperature"), "req-99": (400, "stream")}
 
     with pytest.raises(openai.ConflictError):  # a batch that has ended stays as it ended
         client.batches.cancel(batch.id)
@@ -145,11 +147,12 @@ def test_an_embeddings_batch(base_url):
 
 def test_a_batch_with_an_invalid_line_fails_naming_it_and_runs_nothing(base_url):
     client = sdk(base_url)
-    lines = [chat_line(1), "{not json", chat_line(1), {**chat_line(3), "url": "/v1/completions"}]
+    other_model = {**chat_line(4), "body": {**chat_line(4)["body"], "model": "another-model"}}
+    lines = [chat_line(1), "{not json", chat_line(1), {**chat_line(3), "url": "/v1/completions"}, other_model]
     done = poll(base_url, run_batch(client, lines).id, lambda b: b["status"] in FINAL)
     assert done["status"] == "failed" and done["failed_at"]
     assert [(e["line"], e["code"]) for e in done["errors"]["data"]] == [
-        (2, "invalid_json_line"), (3, "duplicate_custom_id"), (4, "invalid_url")]
+        (2, "invalid_json_line"), (3, "duplicate_custom_id"), (4, "invalid_url"), (5, "mixed_models")]
     assert done["request_counts"]["total"] == 0 and done["output_file_id"] is None
 
 
@@ -231,3 +234,19 @@ def test_a_key_past_its_tokens_per_minute_gets_429_in_the_route_dialect(base_url
                          json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert refused.status_code == 429 and "Retry-After" in refused.headers
     assert refused.json()["error"]["type"] == "rate_limit_error" and "tpm" in refused.json()["error"]["message"]
+    # MindIE's route carries err_msg beside OpenAI's object; Databricks' answers in its own shape.
+    refused = httpx.post(f"{base_url}/infer_token", headers={"Authorization": "Bearer sk-few"}, timeout=60,
+                         json={"input_id": [1, 5, 9], "parameters": {"max_new_tokens": 2}})
+    assert refused.status_code == 429 and "tpm" in refused.json()["details"]["err_msg"]
+    assert refused.json()["generated_text"] == "" and refused.json()["error"]["code"] == "rate_limit_exceeded"
+    refused = httpx.post(f"{base_url}/serving-endpoints/{MODEL}/invocations", timeout=60,
+                         headers={"Authorization": "Bearer sk-few"}, json={"prompt": "hi", "max_tokens": 2})
+    assert refused.status_code == 429 and "Retry-After" in refused.headers
+    assert refused.json()["error_code"] == "REQUEST_LIMIT_EXCEEDED" and "tpm" in refused.json()["message"]
+
+
+def test_a_body_too_large_for_infer_token_carries_err_msg(base_url):
+    refused = httpx.post(f"{base_url}/infer_token", timeout=60,
+                         json={"input_id": [5] * (1 << 21), "parameters": {"max_new_tokens": 2}})
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "body_too_large"
+    assert refused.json()["details"]["err_msg"] == refused.json()["error"]["message"]

@@ -1,19 +1,25 @@
 """The Batch API's parts that need no server: each kind of invalid input line refused by name and
 line (dialects/batches_api.py), the upload checks (dialects/files_api.py), and the store's
 guarantees (deployments/ingress/batch_store.py): a line answered once, state read back by a new store,
-a batch's lease; the rate limits' window and keys (deployments/ingress/rate_limits.py).
+a batch's lease; the runner's line rules (deployments/ingress/batch_runner.py: a refused line in the
+error file and the rest completed, each line sent once, a 429/503 sent again and counted), its
+``send`` here a script of the answers the app gives (tests/test_batch_api.py sends them to the
+served app); the rate limits' window and keys (deployments/ingress/rate_limits.py).
 tests/test_batch_api.py runs batches, and the limits, through the served app."""
 
+import asyncio
+from collections import Counter
 import json
 import time
 
 import pytest
 
-from deployments.ingress.batch_store import COMPLETED, BatchStore
+from deployments.ingress.batch_runner import BatchRunner
+from deployments.ingress.batch_store import COMPLETED, FAILED, BatchStore
 from deployments.ingress.rate_limits import DEFAULT_KEY, RateLimits, SlidingWindow
 from dialects.auth import check_api_key
 from dialects.batches_api import CreateBatchRequest, check_lines, new_batch, output_line
-from dialects.errors import APIError
+from dialects.errors import APIError, error_body
 from dialects.files_api import UploadLimits, check_upload, file_object
 
 CHAT = "/v1/chat/completions"
@@ -41,13 +47,8 @@ def test_valid_lines_are_read_in_order_skipping_blank_ones():
     (line("z", url="/v1/unknown"), "invalid_url", "url"),
     (line("z", url="/v1/completions"), "invalid_url", "url"),
     (line("z", body=[1]), "invalid_request", "body"),
-    (line("z", body={"model": "m", "messages": []}), "invalid_request", "body.messages"),
-    (line("z", body={"model": "m", "messages": HI, "temperature": 9}), "invalid_request",
-     "body.temperature"),
-    (line("z", body={"model": "m", "messages": HI, "stream": True}), "invalid_request",
-     "body.stream"),
-    (line("z", body={"model": "m", "messages": HI, "priority": 1}), "invalid_request",
-     "body.priority"),
+    (json.dumps({"custom_id": "z", "method": "POST", "url": CHAT}), "invalid_request", "body"),
+    (line("z", body={"model": "other", "messages": HI}), "mixed_models", "body.model"),
     (line("z", extra_field=1), "invalid_request", "extra_field"),
 ])
 def test_each_invalid_line_is_refused_with_its_line_and_field(bad, code, param):
@@ -55,6 +56,16 @@ def test_each_invalid_line_is_refused_with_its_line_and_field(bad, code, param):
     assert [(e["code"], e["line"], e["param"]) for e in errors] == [(code, 2, param)]
     assert errors[0]["message"].startswith("line 2: ")
     assert [cid for cid, _ in requests] == ["a", "c"]
+
+
+def test_a_body_the_endpoint_would_refuse_is_no_validation_error():
+    """OpenAI validates the file, not the bodies: a body out of range, one without its messages, one
+    asking to stream, a line with no model beside lines with one, all pass validation (each line is the
+    endpoint's, or the runner's, to refuse on its own)."""
+    bodies = [{"model": "m", "messages": HI, "temperature": 9}, {"model": "m", "messages": []},
+              {"model": "m", "messages": HI, "stream": True}, {"messages": HI}]
+    requests, errors = check_lines("\n".join(line(str(i), body=b) for i, b in enumerate(bodies)), CHAT)
+    assert errors == [] and [body for _, body in requests] == bodies
 
 
 def test_a_file_without_requests_is_refused():
@@ -111,6 +122,77 @@ def test_a_batch_stays_with_its_driver_until_the_lease_runs_out(tmp_path):
     assert store.claim("second", lease_s=0.3) == [batch["id"]]
     store.update(batch["id"], status="completed")
     assert store.claim("second", lease_s=0.3) == []
+
+
+def run_batch(tmp_path, lines: list[str], answers: dict) -> tuple[BatchStore, dict, Counter, list[int]]:
+    """A batch of ``lines`` driven to its end by a runner whose ``send`` answers each custom_id with
+    the next of ``answers[custom_id]`` ((status, body), or an exception to raise); the store, the
+    batch, how many times each custom_id was sent and the statuses retried."""
+    store = BatchStore(tmp_path)
+    store.add_file(file_object("file-in", "in.jsonl", "batch", 1), "\n".join(lines).encode())
+    batch = store.add_batch(new_batch(CreateBatchRequest(input_file_id="file-in", endpoint=CHAT,
+                                                         completion_window="24h")), "default")
+    sent, retried = Counter(), []
+
+    async def send(endpoint, body, key_name):
+        custom_id = body["messages"][0]["content"]
+        sent[custom_id] += 1
+        answer = answers[custom_id][sent[custom_id] - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer[0], answer[1], 0.0 if answer[0] in (429, 503) else None
+
+    async def no_queue():
+        return 0
+
+    runner = BatchRunner(store, send, no_queue, "me", max_in_flight=4, lease_s=10.0, poll_s=0.05,
+                         on_retry=retried.append)
+    asyncio.run(runner.drive(batch["id"]))
+    return store, store.batch(batch["id"]), sent, retried
+
+
+def ask(custom_id: str, **fields) -> str:
+    """A line whose message says its custom_id (the scripted send reads it there)."""
+    return line(custom_id, body={"model": "m", "messages": [{"role": "user", "content": custom_id}], **fields})
+
+
+OK = (200, {"object": "chat.completion", "choices": []})
+REFUSED = (400, error_body(400, "temperature: Input should be less than or equal to 2", "temperature"))
+BUSY = (503, error_body(503, "engines not ready", None, "not_ready"))
+LIMITED = (429, error_body(429, "rate limit reached", None, "rate_limit_exceeded"))
+
+
+def test_a_refused_line_goes_to_the_error_file_and_the_others_complete(tmp_path):
+    lines = [ask("a"), ask("b", temperature=9), ask("c"), ask("d", stream=True)]
+    store, batch, sent, _ = run_batch(tmp_path, lines, {"a": [OK], "b": [REFUSED], "c": [OK]})
+    assert batch["status"] == "completed" and batch["errors"] is None
+    assert batch["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+    assert sorted(r["custom_id"] for r in store.results(batch["id"], COMPLETED)) == ["a", "c"]
+    errors = {r["custom_id"]: r["response"] for r in store.results(batch["id"], FAILED)}
+    assert errors["b"]["status_code"] == 400 and errors["b"]["body"] == REFUSED[1]
+    assert errors["d"]["status_code"] == 400 and errors["d"]["body"]["error"]["param"] == "stream"
+    assert sent == {"a": 1, "b": 1, "c": 1}  # d is refused without being sent
+    written = store.content(batch["error_file_id"]).decode().splitlines()
+    assert sorted(json.loads(w)["custom_id"] for w in written) == ["b", "d"]
+
+
+def test_each_line_is_sent_once_and_a_429_or_503_again_counted(tmp_path):
+    lines = [ask("a"), ask("b"), ask("c"), ask("d")]
+    answers = {"a": [OK], "b": [BUSY, OK], "c": [LIMITED, BUSY, OK], "d": [RuntimeError("not an HTTP answer")]}
+    store, batch, sent, retried = run_batch(tmp_path, lines, answers)
+    assert sent == {"a": 1, "b": 2, "c": 3, "d": 1}
+    assert sorted(retried) == [429, 503, 503]
+    assert batch["status"] == "completed" and batch["request_counts"] == {"total": 4, "completed": 3, "failed": 1}
+    (failed,) = store.results(batch["id"], FAILED)
+    assert failed["custom_id"] == "d" and failed["response"]["status_code"] == 500
+
+
+def test_a_malformed_file_fails_the_batch_and_no_line_runs(tmp_path):
+    lines = [ask("a"), ask("b").replace('"POST"', '"GET"'), ask("a")]
+    store, batch, sent, _ = run_batch(tmp_path, lines, {})
+    assert batch["status"] == "failed" and sent == {}
+    assert [(e["code"], e["line"]) for e in batch["errors"]["data"]] == [("invalid_method", 2),
+                                                                        ("duplicate_custom_id", 3)]
 
 
 def test_pages_of_files_follow_the_cursor(tmp_path):

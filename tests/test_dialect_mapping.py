@@ -23,11 +23,12 @@ import pydantic
 import pytest
 from transformers import AutoTokenizer
 
-from dialects import mindie
+from dialects import databricks, mindie
 from dialects.anthropic import MessagesExchange
 from dialects.anthropic_schema import MessagesRequest
+from dialects.errors import APIError
 from dialects.openai_api import OpenAIFrontend
-from dialects.openai_schema import ChatCompletionRequest, CompletionRequest
+from dialects.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from dialects.responses import ResponsesExchange, ResponseStore
 from dialects.responses_schema import ResponsesRequest
 from engine.lora_adapter import LoraRef
@@ -73,6 +74,14 @@ def openai(schema: type, body: dict, front: OpenAIFrontend) -> list[GenerationRe
     return list({c.prompt_index: c.request for c in choices}.values())
 
 
+def invocation(body: dict, front: OpenAIFrontend) -> list[GenerationRequest]:
+    """Databricks' invocations route on the endpoint MODEL: the body's field picks the task."""
+    task = databricks.task_of(body)
+    parsed = databricks.parsed(body, task, MODEL)
+    make = front.chat_choices if task == "messages" else front.completion_choices
+    return list({c.prompt_index: c.request for c in make(parsed, "r", ARRIVAL + parsed.timeout)}.values())
+
+
 def responses(body: dict, front: OpenAIFrontend) -> list[GenerationRequest]:
     exchange = ResponsesExchange(ResponsesRequest.model_validate(body), front, ResponseStore())
     return [front.chat_choices(exchange.chat, exchange.id, ARRIVAL + exchange.chat.timeout)[0].request]
@@ -103,9 +112,15 @@ ROUTES = {
                              lambda b, f: openai(CompletionRequest, b, f)),
     "responses": Route({"input": "Hi"}, ResponsesRequest, "", responses),
     "messages": Route({"model": MODEL, "messages": USER, "max_tokens": 16}, MessagesRequest, "", messages),
+    # Databricks' POST /serving-endpoints/{name}/invocations: chat's and completions' bodies without model.
+    "invocations_chat": Route({"messages": USER}, ChatCompletionRequest, "", invocation),
+    "invocations_completions": Route({"prompt": "Hi"}, CompletionRequest, "", invocation),
 }
 OPENAI = ("chat", "completions", "completions_ids")
 EVERY = tuple(ROUTES)
+# Each row of chat and completions is one of the invocations route's too, bar a ``model`` naming an
+# adapter (the endpoint names the model there: its own rows say what ``model`` does).
+INVOCATIONS = {"invocations_chat": "chat", "invocations_completions": "completions"}
 
 
 def body_with(route: str, fields: dict) -> dict:
@@ -230,7 +245,14 @@ ROWS = [
     Row(OPENAI + ("infer_token",), {"prompt_lookup": True}, {"prompt_lookup": True}),
     Row(OPENAI + ("infer_token",), {"prompt_lookup": False}, {"prompt_lookup": False}),
     Row(("infer_token",), {"draft_input_ids": [8, 9]}, {"draft.token_ids": [8, 9]}),
+    Row(tuple(INVOCATIONS), {"model": MODEL}, {"lora": None}),  # the endpoint's own name: as without it
 ]
+
+
+def routes_of(row: Row) -> tuple[str, ...]:
+    """The routes ``row`` holds for: its own, and the invocations route's task of each."""
+    shared = [inv for inv, base in INVOCATIONS.items() if base in row.routes and "model" not in row.fields]
+    return tuple(dict.fromkeys(row.routes + tuple(shared)))
 
 # What each route sends the engine when no control field is given.
 COMMON_DEFAULTS = {
@@ -251,6 +273,7 @@ DEFAULTS = {
     "responses": {**COMMON_DEFAULTS, "params.max_new_tokens": MAX_ITER_TIMES},
     "messages": {**COMMON_DEFAULTS, "params.max_new_tokens": 16},
 }
+DEFAULTS.update({inv: DEFAULTS[base] for inv, base in INVOCATIONS.items()})
 
 # Schema fields that are not controls of the engine's request, each for a reason the dialect's
 # own tests check: the input itself, the answer's shape or delivery, what is accepted and changes
@@ -275,6 +298,7 @@ NOT_CONTROLS = {
                  "context_management", "diagnostics"},
 }
 NOT_CONTROLS["completions_ids"] = NOT_CONTROLS["completions"]
+NOT_CONTROLS.update({inv: NOT_CONTROLS[base] for inv, base in INVOCATIONS.items()})
 
 
 def value_at(request: GenerationRequest, path: str) -> Any:
@@ -289,7 +313,7 @@ def only_request(route: str, fields: dict, front: OpenAIFrontend) -> GenerationR
 
 
 CASES = [pytest.param(route, row, id=f"{route}-{'+'.join(row.fields)}-{j}")
-         for j, row in enumerate(ROWS) for route in row.routes]
+         for j, row in enumerate(ROWS) for route in routes_of(row)]
 
 
 @pytest.mark.parametrize("route,row", CASES)
@@ -330,7 +354,7 @@ def test_the_reasoning_switches_reach_the_template(fronts):
 @pytest.mark.parametrize("route", EVERY)
 def test_every_field_of_every_route_is_in_the_table(route):
     """A field the schema declares is a control with a row, or named in NOT_CONTROLS."""
-    covered = {name for row in ROWS if route in row.routes for name in row.fields}
+    covered = {name for row in ROWS if route in routes_of(row) for name in row.fields}
     schema = ROUTES[route].schema
     declared = {field.alias or name for name, field in schema.model_fields.items()}
     missing = declared - covered - NOT_CONTROLS[route]
@@ -346,3 +370,19 @@ def test_a_bad_value_is_refused_naming_its_field(fronts):
         with pytest.raises(pydantic.ValidationError) as raised:
             only_request(route, fields, fronts["plain"])
         assert name in {str(part) for error in raised.value.errors() for part in error["loc"]}, route
+
+
+def test_an_invocation_takes_its_task_from_the_body_and_its_model_from_the_endpoint(fronts):
+    """Databricks' invocations: ``messages``, ``prompt`` or ``input`` picks the request; a ``model``
+    naming another model than the endpoint's is refused by name, as is a body with no task or two."""
+    for body, request_type in (({"messages": USER}, ChatCompletionRequest), ({"prompt": "Hi"}, CompletionRequest),
+                               ({"input": ["a", "b"]}, EmbeddingRequest)):
+        parsed = databricks.parsed(body, databricks.task_of(body), "the-endpoint")
+        assert type(parsed) is request_type and parsed.model == "the-endpoint"
+    with pytest.raises(APIError) as refused:
+        databricks.parsed({"messages": USER, "model": "another"}, "messages", MODEL)
+    assert (refused.value.status, refused.value.param) == (400, "model")
+    for body in ({"max_tokens": 3}, {"messages": USER, "prompt": "Hi"}):
+        with pytest.raises(APIError) as refused:
+            databricks.task_of(body)
+        assert refused.value.status == 400 and "'messages' (chat)" in refused.value.message

@@ -8,9 +8,11 @@ deployments/ingress/engine_client.py) and an AsyncEngine behind it, on a random 
 tiny-llama's tokenizer decode to no text). Only Ray's transport is left out: the served routes are
 tested in tests/test_api_*.py and tests/test_serve_pd.py.
 
-The seeds 002 (Databricks), 003 (the Ascend operator) and 004 (TensorRT-LLM's InferenceRequest)
-give fields and tables but no example request: their rules are in tests/test_dialect_mapping.py,
-test_seed_fidelity.py, test_sampling_npu.py and test_api_validation.py."""
+The seed 002 (Databricks) gives each task's fields and no example request: its rows send a body of
+each task as its tables write one, with no ``model`` (the endpoint names it), to
+POST /serving-endpoints/{name}/invocations. The seeds 003 (the Ascend operator) and 004
+(TensorRT-LLM's InferenceRequest) give fields and tables but no example request: their rules are in
+tests/test_dialect_mapping.py, test_seed_fidelity.py, test_sampling_npu.py and test_api_validation.py."""
 
 from __future__ import annotations
 
@@ -64,6 +66,17 @@ CHAT_SINGLE = {
 }
 CHAT_MULTI = {**CHAT_SINGLE, "messages": [{"role": "system", "content": "You are a student who is good at math."},
                                           {"role": "user", "content": "what is your hobby?"}]}  # the rest as single
+# 002: Databricks' chat and completions tasks, every field its tables list (their defaults where
+# that is a value), sent to the endpoint that serves the model; embeddings need the embedder, which
+# the served apps have (tests/test_api_openai.py).
+INVOCATIONS = "/serving-endpoints/llama-32k/invocations"
+DATABRICKS_CHAT = {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                                {"role": "user", "content": "What is a mixture of experts model?"}],
+                   "max_tokens": 20, "temperature": 0.5, "top_p": 1.0, "top_k": 10, "stop": [], "n": 1,
+                   "logprobs": False, "stream": False}
+DATABRICKS_COMPLETIONS = {"prompt": ["What is a mixture of experts model?", "Tell me a story"], "max_tokens": 20,
+                          "temperature": 0.5, "top_p": 1.0, "top_k": 10, "error_behavior": "error", "n": 1,
+                          "stop": [], "suffix": "", "echo": False, "use_raw_prompt": False, "stream": False}
 MINDIE_FINISH = {"eos_token", "stop_sequence", "length"}  # 000's and 001's finish_reason values (bar "invalid flag")
 
 
@@ -126,6 +139,16 @@ def check_chat_stream(data: list, body: dict) -> None:
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
 
 
+def check_completions(answer: dict, body: dict) -> None:
+    assert isinstance(answer["id"], str) and answer["object"] == "text_completion"
+    assert isinstance(answer["created"], int) and abs(answer["created"] - time.time()) < 600
+    assert [choice["index"] for choice in answer["choices"]] == list(range(len(body["prompt"])))
+    assert all(isinstance(c["text"], str) and c["finish_reason"] in MINDIE_FINISH for c in answer["choices"])
+    usage = answer["usage"]
+    assert 0 < usage["completion_tokens"] <= body["max_tokens"] * len(body["prompt"]) and usage["prompt_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
 @dataclass(frozen=True)
 class Example:
     seed: str  # the seed file's number
@@ -141,6 +164,9 @@ EXAMPLES = [
     Example("001", "chat single-turn", "/v1/chat/completions", CHAT_SINGLE, check_chat),
     Example("001", "chat multi-turn", "/v1/chat/completions", CHAT_MULTI, check_chat),
     Example("001", "chat stream", "/v1/chat/completions", streamed(CHAT_SINGLE), check_chat_stream),
+    Example("002", "invocations chat", INVOCATIONS, DATABRICKS_CHAT, check_chat),
+    Example("002", "invocations chat stream", INVOCATIONS, streamed(DATABRICKS_CHAT), check_chat_stream),
+    Example("002", "invocations completions", INVOCATIONS, DATABRICKS_COMPLETIONS, check_completions),
 ]
 
 
@@ -172,3 +198,18 @@ def test_a_seed_example_as_written_gets_the_documented_answer(example, seed_app)
     else:
         example.check(response.json(), example.body)
 
+
+
+def test_an_invocation_of_an_unknown_endpoint_is_a_404_in_databricks_shape(seed_app):
+    """{name} that is no served model, an embeddings body where no embedder is served, a ``model``
+    naming another model: Databricks' error body ``{"error_code", "message"}``."""
+    for path, body, status, code in (
+            ("/serving-endpoints/nobody/invocations", DATABRICKS_CHAT, 404, "RESOURCE_DOES_NOT_EXIST"),
+            (INVOCATIONS, {"input": ["a"]}, 404, "RESOURCE_DOES_NOT_EXIST"),
+            (INVOCATIONS, {**DATABRICKS_CHAT, "model": "another"}, 400, "INVALID_PARAMETER_VALUE"),
+            (INVOCATIONS, {**DATABRICKS_CHAT, "temperature": 3.0}, 400, "INVALID_PARAMETER_VALUE")):
+        response = seed_app.post(path, body)
+        assert response.status_code == status, response.text
+        assert set(response.json()) == {"error_code", "message"} and response.json()["error_code"] == code
+    assert "model" in seed_app.post(INVOCATIONS, {**DATABRICKS_CHAT, "model": "another"}).json()["message"]
+    assert "temperature" in seed_app.post(INVOCATIONS, {**DATABRICKS_CHAT, "temperature": 3.0}).json()["message"]

@@ -21,6 +21,7 @@ import uuid
 from fastapi import APIRouter, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 import httpx
+from prometheus_client import Counter
 from ray import serve
 
 from deployments.ingress.batch_runner import BatchRunner
@@ -57,9 +58,11 @@ def serve_batches(app: FastAPI, args: AppArgs, engine_handles: dict, metrics: In
     if app.state.api_key is not None and args.rate_limits.keys:  # the listed keys are API keys too
         app.state.api_key = [app.state.api_key, *args.rate_limits.api_keys()]
     store = BatchStore(Path(args.batch_dir).expanduser() / app_name)  # each app its own files and batches
+    retries = Counter("pdserve_batch_line_retries", "batch lines sent again after a 429 or 503", ["status"],
+                      registry=metrics.registry)
     runner = BatchRunner(store, in_process_sender(app, args.api_key.get_secret_value() if args.api_key else None),
                          engines_waiting(engine_handles), f"ingress-{uuid.uuid4().hex}", args.batch_max_in_flight,
-                         args.batch_lease_s)
+                         args.batch_lease_s, on_retry=lambda status: retries.labels(str(status)).inc())
     task = asyncio.get_running_loop().create_task(runner.run())
     app.state.batches = BatchService(store, runner, files_api.UploadLimits(args.max_file_bytes, args.max_batch_lines),
                                      task)

@@ -7,7 +7,10 @@ whose lease is its own or has run out (deployments/ingress/batch_store.py) and d
                  lines are stored and the batch is in_progress; one bad, failed with the errors
     in_progress  send the pending lines, each as the HTTP request it describes, to this replica's
                  own app in process (``send``): the same routes, validation, admission, per-key
-                 limits and PD path as a client's request, answered whole; each answer committed once
+                 limits and PD path as a client's request, answered whole; each answer committed once.
+                 A line the endpoint refuses (its 4xx: a body out of range, a model not served)
+                 ends in the error file with that answer and counts in request_counts.failed;
+                 the other lines run on
     finalizing   the output and error files written from the committed answers; completed
     cancelling   the lines in flight cancelled (the engines free their KV), the lines not run
                  written as batch_cancelled; cancelled
@@ -17,8 +20,14 @@ Priority and pacing: batch lines run at priority 5, the lowest (interactive requ
 it too), and take only the capacity interactive traffic leaves: the runner reads the engines'
 queues (``probe``: requests waiting at any P, D or colocated replica) and, while any request
 waits, halves how many lines it keeps in flight (down to ``MIN_IN_FLIGHT``, so that a batch
-always ends); while none waits it adds one per poll up to ``max_in_flight``. A line refused with
-429 (its key's limits) or 503 (overloaded) waits its Retry-After and is sent again, not failed.
+always ends); while none waits it adds one per poll up to ``max_in_flight``.
+
+Each line is sent once. Only an answer of 429 (its key's limits) or 503 (overloaded, not ready)
+sends it again, after its Retry-After: each such retry is counted (``on_retry``, the metric
+pdserve_batch_line_retries_total). A send that fails without an HTTP answer (a defect) ends the
+line in the error file with a 500, rather than sending it again into engines that may have run it.
+A line whose body carries a field no batch line may (``stream``, ``priority``) is refused without
+being sent, with the 400 the route would give.
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ import time
 from typing import Awaitable, Callable
 
 from deployments.ingress.batch_store import COMPLETED, FAILED, BatchStore
-from dialects.batches_api import check_lines, output_line, unanswered_line
+from dialects.batches_api import body_refusal, check_lines, output_line, unanswered_line
+from dialects.errors import error_body
 from dialects.files_api import OUTPUT_PURPOSE, file_object
 
 logger = logging.getLogger("ray.serve")
@@ -38,6 +48,7 @@ logger = logging.getLogger("ray.serve")
 # send(endpoint, body, key_name) -> (status, JSON body, Retry-After seconds or None)
 Send = Callable[[str, dict, str], Awaitable[tuple[int, dict, float | None]]]
 Probe = Callable[[], Awaitable[int]]  # requests waiting in the engines now
+OnRetry = Callable[[int], None]  # a line sent again after this status
 MIN_IN_FLIGHT = 1
 RETRIED_STATUSES = (429, 503)  # the line waits and is sent again
 RETRY_FLOOR_S = 0.5
@@ -45,8 +56,9 @@ RETRY_FLOOR_S = 0.5
 
 class BatchRunner:
     def __init__(self, store: BatchStore, send: Send, probe: Probe, owner: str, max_in_flight: int,
-                 lease_s: float, poll_s: float = 0.5) -> None:
+                 lease_s: float, poll_s: float = 0.5, on_retry: OnRetry = lambda status: None) -> None:
         self.store, self.send, self.probe, self.owner = store, send, probe, owner
+        self.on_retry = on_retry
         self.max_in_flight, self.lease_s, self.poll_s = max_in_flight, lease_s, poll_s
         self.allowed = max_in_flight  # lines in flight the pacing allows now
         self.in_flight = 0
@@ -150,19 +162,27 @@ class BatchRunner:
     async def _answer(self, batch_id: str, line: int, custom_id: str, endpoint: str, body: dict,
                       key_name: str) -> None:
         try:
-            while True:
-                status, answer, retry_after = await self.send(endpoint, body, key_name)
-                if status not in RETRIED_STATUSES:
-                    break
-                await asyncio.sleep(max(retry_after or 0.0, RETRY_FLOOR_S))
-        except Exception:  # not an HTTP answer (a defect): the line stays pending and is sent again
+            status, answer = await self._sent_once(endpoint, body, key_name)
+        except Exception:  # not an HTTP answer (a defect): the line fails, it is not sent twice
             logger.exception("batch %s: line %d was not answered", batch_id, line)
-            await asyncio.sleep(self.poll_s)
-            return
+            status, answer = 500, error_body(500, "the server failed while running this line; its log has the "
+                                                  "cause under the batch's id", None, "internal_error")
         finally:
             self.in_flight -= 1
         state = COMPLETED if 200 <= status < 300 else FAILED
         self.store.record(batch_id, line, state, output_line(custom_id, status, answer))
+
+    async def _sent_once(self, endpoint: str, body: dict, key_name: str) -> tuple[int, dict]:
+        """The line's answer: sent once, again only after a 429 or 503 (each retry counted); a body
+        no batch line may carry is answered 400 without being sent."""
+        if (refusal := body_refusal(body)) is not None:
+            return 400, refusal
+        while True:
+            status, answer, retry_after = await self.send(endpoint, body, key_name)
+            if status not in RETRIED_STATUSES:
+                return status, answer
+            self.on_retry(status)
+            await asyncio.sleep(max(retry_after or 0.0, RETRY_FLOOR_S))
 
     def _end_unanswered(self, batch_id: str, code: str, status: str) -> dict:
         for line, custom_id, _ in self.store.pending(batch_id):

@@ -1,5 +1,6 @@
 """The ingress's FastAPI app: its error handlers and its middleware, each answering in the route's
-dialect (Anthropic's shape on Anthropic's routes, OpenAI's elsewhere). The routes are the
+dialect (Anthropic's shape on Anthropic's routes, Databricks' on its invocations route, OpenAI's
+elsewhere, with MindIE's err_msg beside it on /infer_token). The routes are the
 Ingress's methods (deployments/ingress/ingress.py; the operations routes' answers in deployments/ingress/operation_routes.py).
 """
 
@@ -12,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.failures import on_unexpected_error
 from deployments.ingress.metrics import IngressMetrics
-from dialects import anthropic, auth, mindie
+from dialects import anthropic, auth, databricks, mindie
 from dialects.errors import APIError, documented, error_response, on_api_error, on_http_error, on_validation_error
 from dialects.openai_serving import SSE
 
@@ -22,14 +23,20 @@ app = FastAPI(title="pdserve", description="LLM serving with prefill/decode disa
               openapi_url=None, docs_url=None, redoc_url=None)
 
 
+def in_dialect(path: str, response: JSONResponse) -> JSONResponse:
+    """An error response in OpenAI's shape as the route at ``path`` answers it: Anthropic's and
+    Databricks' in their own shapes, MindIE's with its ``err_msg`` beside OpenAI's object."""
+    if anthropic.is_route(path):
+        return anthropic.from_openai_error(response)
+    if databricks.is_route(path):
+        return databricks.from_openai_error(response)
+    return mindie.with_err_msg(response) if mindie.is_route(path) else response
+
+
 def in_route_dialect(handler):
-    """An error handler whose answers on Anthropic's routes take Anthropic's shape, and on MindIE's
-    carry MindIE's ``err_msg`` as well."""
+    """An error handler whose answers take the route's dialect (``in_dialect``)."""
     async def handle(request: Request, error: Exception) -> JSONResponse:
-        response = await handler(request, error)
-        if anthropic.is_route(request.url.path):
-            return anthropic.from_openai_error(response)
-        return mindie.with_err_msg(response) if mindie.is_route(request.url.path) else response
+        return in_dialect(auth.route_path(request.scope), await handler(request, error))
     return handle
 
 
@@ -67,7 +74,7 @@ async def limit_and_count(request: Request, call_next):
     if refusal is None and (limiter := getattr(request.app.state, "rate_limits", None)) is not None:
         refusal = await limiter.refusal(request, path)  # 429 past the key's limits: deployments/ingress/rate_limits.py
     if refusal is not None:
-        response = anthropic.from_openai_error(refusal) if anthropic.is_route(path) else refusal
+        response = in_dialect(path, refusal)
     else:
         response = await call_next(request)
     metrics: IngressMetrics = request.app.state.metrics

@@ -4,7 +4,7 @@ One FastAPI app behind ``@serve.ingress``; it holds the engine client (deploymen
 the engine deployments through deployments/pd/backends.py, admission, migration and traces) and never
 runs a model itself. Each route's body is its dialect's (dialects/: MindIE's /infer_token in
 dialects/mindie_serving.py; the OpenAI-compatible /v1 API, OpenAI's Responses and Anthropic's
-Messages in dialects/openai_serving.py), which calls the engine client through its seam
+Messages in dialects/openai_serving.py; Databricks' invocations in dialects/databricks.py), which calls the engine client through its seam
 (dialects/engine_client.py) and never sees Ray.
 
 Its routes: the generation dialects, and the operations routes (/health, models, the schema, the
@@ -30,7 +30,7 @@ from deployments.ingress.http_app import GENERATION, app
 from deployments.ingress.metrics import IngressMetrics
 from deployments.ingress import operation_routes as operations
 from deployments.ingress.tracing import RecentTraces, RequestTrace, SpanWriter, log_line
-from dialects import anthropic, mindie, responses
+from dialects import anthropic, databricks, mindie, responses
 from dialects.anthropic_schema import CountTokensRequest, MessagesRequest
 from dialects.engine_client import Origin, ServedSettings
 from dialects.errors import documented
@@ -76,6 +76,7 @@ class Ingress:
                                          admission, args.max_migrations, self.end_trace, lora_store, embedder)
         self.openai = OpenAIServing(self.engines)
         self.mindie = MindIEServing(self.engines)
+        self.databricks = databricks.DatabricksServing(self.openai)
         self.metrics = IngressMetrics()
         self.spans = SpanWriter(args.traces_exporter) if args.traces_exporter != "none" else None
         self.traces = RecentTraces()  # GET /traces/{id}
@@ -132,6 +133,14 @@ class Ingress:
     @app.post("/v1/embeddings", responses=documented(400, 404, 413, 503))
     async def embeddings(self, body: EmbeddingRequest):
         return await self.openai.embeddings(body)
+
+    # Not in /openapi.json: its body is one of the three /v1 bodies, told apart by a field, which no
+    # schema there states (a generated body or {name} would be refused: docs/api.md).
+    @app.post("/serving-endpoints/{name}/invocations", include_in_schema=False)
+    async def invocations(self, name: str, body: dict, http: Request):
+        """Databricks' Foundation Model API: ``name`` the model; ``messages``, ``prompt`` or ``input``
+        in the body picks chat, completions or embeddings (dialects/databricks.py)."""
+        return await self.databricks.invoke(name, body, lambda priority: origin(http, "databricks", priority))
 
     # ---- vLLM's tokenizer routes -------------------------------------------------------
 

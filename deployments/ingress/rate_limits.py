@@ -6,7 +6,8 @@ budget's otherwise (no key, or one not listed). Listed keys are also valid API k
 ``api_key`` is set. A batch's lines count against the key that created it.
 
 What counts, over the last 60 seconds (a sliding window):
-- requests: each request to a generation or embeddings route (``LIMITED_PATHS``);
+- requests: each request to a generation or embeddings route (``LIMITED_PATHS``, Databricks'
+  invocations);
 - tokens: each engine request's prompt tokens when it starts and its generated tokens when it ends
   (embeddings count as requests only).
 A request is refused (429, Retry-After: when the window will have room) when its key has made
@@ -37,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 import ray
 
+from dialects import databricks
 from dialects.errors import APIError
 
 WINDOW_S = 60.0
@@ -180,7 +182,7 @@ class RateLimiter:
     async def check(self, key: str, path: str) -> APIError | None:
         """A 429 (Retry-After set) when ``key`` has no room for one more request on ``path``."""
         key_limits = self.limits.of(key)
-        if path not in LIMITED_PATHS or not key_limits.limited:
+        if not (path in LIMITED_PATHS or databricks.is_route(path)) or not key_limits.limited:
             return None
         wait, limit, requests, tokens = await self._call("admit", key, key_limits.rpm, key_limits.tpm)
         self.window.labels(key, "requests").set(requests)
