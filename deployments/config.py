@@ -65,7 +65,8 @@ class AppArgs(BaseModel):
         "(any placement), or shared_memory (/dev/shm; P, D and the ingress on one host, any raylets of it: "
         "deployments/pd/kv_direct.py)")
     pd_degrade_to_prefill: bool = Field(
-        True, description="PD: while no decode replica answers (dead, stopped, stuck: deployments/pd/decode_watch.py), "
+        True, description="PD: while no decode replica answers (dead, stopped, stuck: deployments/pd/decode_watch.py) "
+        "or none is paired with P (its KV would mean something else: deployments/pd/compatibility.py), "
         "prefill replicas serve requests whole, as colocated engines; off: such requests get a 503 at once")
     stall_timeout_s: float = Field(5.0, gt=0, description="seconds without a token or a heartbeat after which "
                                    "the ingress takes a streaming replica for stalled and moves its request "

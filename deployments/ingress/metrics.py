@@ -94,7 +94,8 @@ METRICS = (
     Metric("pd_decisions", Gauge, "pdserve_pd_prefill_decisions", "PD requests by where their prompt was computed "
            "(decode: on D, prefill: on P) and why (deployments/pd/disaggregation.py)", ("where", "reason")),
     Metric("pd_decode_answering", Gauge, "pdserve_pd_decode_replicas_answering", "PD: decode replicas that "
-           "answered the ingress's probe within stall_timeout_s; 0: P serves alone (prefill_only decisions) or, "
+           "answered the ingress's probe within stall_timeout_s and are paired with P (deployments/pd/"
+           "compatibility.py); 0: P serves alone (prefill_only decisions) or, "
            "degradation off, requests get a 503"),
     Metric("kv_in_flight", Gauge, "pdserve_kv_transfers_in_flight", "PD: KV fetches D replicas have started and "
            "not ended (every D replica answering the ingress's probe)"),
