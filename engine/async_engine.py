@@ -211,14 +211,14 @@ class AsyncEngine:
 
     def step_running_s(self) -> float:
         """How long the step running now has run, 0 between steps: the step watchdog's reading
-        (deployments/servers.py), which a live thread stuck inside one step cannot fake."""
+        (deployments/replicas/servers.py), which a live thread stuck inside one step cannot fake."""
         started = self._step_started
         return time.monotonic() - started if started is not None else 0.0
 
     def hang_next_step(self, seconds: float) -> None:
         """Fault injection: the next step waits ``seconds`` (or until ``end_hang``) before it runs,
         as a step stuck in a kernel or a collective would. Servers let only tests call it
-        (deployments/servers.py)."""
+        (deployments/replicas/servers.py)."""
         self._hang_over.clear()
         self._hang_s = seconds
         self._wake.set()
@@ -236,7 +236,7 @@ class AsyncEngine:
                      ) -> AsyncIterator[list[RequestOutput]]:
         """``generate_batches``, with the request checked and queued now (ValueError at once, not at
         the first read): a caller that hands the iterator to a task answers before the first output
-        (deployments/output_channels.py). One that may drop it unread calls ``close_stream``."""
+        (deployments/replicas/output_channels.py). One that may drop it unread calls ``close_stream``."""
         outbox = self._open(request, Mode.GENERATE, None, lora)
         return self._batches(request, outbox, None)
 

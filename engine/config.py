@@ -54,7 +54,7 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # the longest, tried first
     max_lora_rank: int = 16  # the largest LoRA rank a request's adapter may have (engine/lora_adapter.py)
     # D in PD: max_iter_times counts the tokens after the first, which P makes, or this engine in
-    # P's place when it prefills a request locally (deployments/disaggregation.py): the same cap either way.
+    # P's place when it prefills a request locally (deployments/pd/disaggregation.py): the same cap either way.
     first_token_from_prefill: bool = False
 
     def __post_init__(self) -> None:

@@ -29,7 +29,7 @@ class KVMeta:
 class KVPayload:
     meta: KVMeta
     # [layers, 2 (k, v), num_tokens - start, kv_heads, head_dim]; None while the bytes travel on their own
-    # (deployments/servers.py sends them through Ray's object store, apart from the metadata).
+    # (deployments/replicas/servers.py sends them through Ray's object store, apart from the metadata).
     data: np.ndarray | None
 
     @property

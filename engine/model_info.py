@@ -1,5 +1,5 @@
 """What a served model is, as plain data: what the ingress and the dialects read about the engine
-behind a deployment (its limits, dtype, ids). Below both the Serve room (deployments/servers.py
+behind a deployment (its limits, dtype, ids). Below both the Serve room (deployments/replicas/servers.py
 fills it in) and the dialects (dialects/openapi_doc.py writes its limits into the schema)."""
 
 from __future__ import annotations

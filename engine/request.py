@@ -53,7 +53,7 @@ class GenerationRequest:
     priority: int = PRIORITY_MAX
     deadline: float | None = None  # absolute, time.time() seconds; None: now + default timeout
     n: int = 1  # choices; they share one prefill and fork from it (seeds: sampling.params.choice_seed)
-    # A migrated request (deployments/migration.py): the tokens its one choice generated before,
+    # A migrated request (deployments/ingress/migration.py): the tokens its one choice generated before,
     # on a replica that failed, and their cumulative logprob. They follow the prompt and count as
     # output (penalties, the seeded noise's step, stop conditions, max_new_tokens, the counts
     # reported), but are not streamed again.

@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # this CPU's "auto" picks (docs/sampling.md). Without it, the default would leave bf16 engines in
 # the fastest mode on a CPU with AMX or AVX512-BF16. Tests of the fastest mode pass batch_invariant=False.
 os.environ["PDSERVE_BATCH_INVARIANT"] = "1"
-# The Batch API's store (deployments/batch_store.py) of the apps the suite starts: this session's own
+# The Batch API's store (deployments/ingress/batch_store.py) of the apps the suite starts: this session's own
 # (removed at its end), unless the environment names one.
 OWN_BATCH_DIR = "PDSERVE_BATCH_DIR" not in os.environ
 os.environ.setdefault("PDSERVE_BATCH_DIR", os.path.join(tempfile.gettempdir(), f"pdserve-test-batches-{os.getpid()}"))
