@@ -47,7 +47,7 @@ from engine.execution.model_runner import ModelRunner, StepResult, kv_pool_block
 from engine.execution.persistent_batch import PersistentBatch
 from engine.kv_transfer import KVPayload
 from engine.lora_adapter import LoraAdapter, ModelShape
-from engine.output_processor import OutputProcessor, sampled_tokens
+from engine.output_processor import UNDECIDED, OutputProcessor, sampled_tokens
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, PrefillResult, RequestOutput, Sampled, TokenLogprob
 from engine.prefix_holds import PrefixHolds
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
@@ -244,16 +244,14 @@ class LLMEngine:
         self.rows.append_tokens(slots, tokens)
         eos, stop, length = self.rows.stops(slots, tokens, self.max_model_len, self.config.max_iter_times)
         codes = np.where(eos, 1, np.where(stop, 2, np.where(length, 3, 0)))  # finish_reason's order
-        verdicts = [(None, EOS, STOP, LENGTH)[code] for code in codes.tolist()]
-        per_row = self.rows.stops_per_row[slots].tolist()
+        # A row with stop ids the columns do not hold decides its end row by row (UNDECIDED).
+        verdicts = [UNDECIDED if own else (None, EOS, STOP, LENGTH)[code]
+                    for code, own in zip(codes.tolist(), self.rows.stops_per_row[slots].tolist())]
         outputs, append = [], self.output_processor.append_token
-        for (seq, _), token, logprob, top, verdict, own in zip(batch.entries, sampled.token_ids, sampled.logprobs,
-                                                              sampled.top_logprobs, verdicts, per_row):
+        for (seq, _), token, logprob, top, verdict in zip(batch.entries, sampled.token_ids, sampled.logprobs,
+                                                          sampled.top_logprobs, verdicts):
             chosen = TokenLogprob(token, logprob, top) if logprob is not None else None
-            if own:  # stop ids the columns do not hold: decided row by row
-                outputs += append(seq, Sampled(token, chosen, None))
-            else:
-                outputs += append(seq, Sampled(token, chosen, None), verdict)
+            outputs += append(seq, Sampled(token, chosen, None), verdict)
         return outputs
 
     def _sampled_choices(self, seq: Sequence) -> list[PendingChoice]:

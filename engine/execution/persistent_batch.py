@@ -8,7 +8,7 @@ tables), its sampling columns and its stop checks are gathers of these arrays by
 
     rows.join(seq)                         # the scheduler: admitted, forked, cloned, KV arrived
     rows.write_blocks(seq)                 # the scheduler: after allocate (new block, CoW tail)
-    rows.write_computed(slots, computed)   # the scheduler's commit
+    rows.write_computed(seq)               # the scheduler's commit
     rows.write_token(seq)                  # a token appended (output processor, beams)
     rows.leave(seq)                        # finished, aborted, preempted
 
