@@ -36,9 +36,11 @@ def build_colocated_app(args: AppArgs) -> Application:
 
 
 def pd_app(args: AppArgs | dict | None = None, prefill_options: dict | None = None,
-           decode_options: dict | None = None) -> Application:
+           decode_options: dict | None = None, decode_engine: dict | None = None) -> Application:
     """``build_pd_app`` for Python callers, with deployment options for P and D (the keys a
-    serve config's ``deployments:`` section sets: ray_actor_options, autoscaling_config, ...).
+    serve config's ``deployments:`` section sets: ray_actor_options, autoscaling_config, ...) and
+    ``decode_engine``: EngineConfig fields D's engine takes instead of the app's (a D of another
+    build, as in a rolling upgrade: deployments/pd/compatibility.py pairs only what may be paired).
     Ray Serve calls builders with one argument, hence two functions."""
     args = _args(args)
     prefill_model, decode_model = args.prefill_model or args.model, args.decode_model or args.model
@@ -53,7 +55,7 @@ def pd_app(args: AppArgs | dict | None = None, prefill_options: dict | None = No
     prefill = prefill.bind(args.engine_config(prefill_model), store, args.max_loras, args.heartbeat_s,
                            args.step_timeout_s, kv)
     decode = DecodeServer.options(**{**options, **(decode_options or {})})
-    decode_config = replace(args.engine_config(decode_model), first_token_from_prefill=True)
+    decode_config = replace(args.engine_config(decode_model), first_token_from_prefill=True, **(decode_engine or {}))
     decode = decode.bind(decode_config, store, args.max_loras, args.heartbeat_s, args.step_timeout_s, args.kv_lease_s,
                          kv)
     return Ingress.bind(args, lora_store=store, prefill=prefill, decode=decode, embedder=_embedder(args))

@@ -5,11 +5,13 @@ tokenizer digest follows the tokenizer's files and nothing else; a descriptor is
 engine's loaded model and config. The served check: tests/test_compatibility_served.py."""
 
 import asyncio
+import threading
 from dataclasses import fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from ray.serve._private.request_router.common import RequestRoutingContext
 import torch
 
 from engine.request import GenerationRequest
@@ -84,20 +86,47 @@ def test_a_descriptor_is_read_from_the_engines_model_and_config(tmp_path: Path):
     assert describe(engine, lora_enabled=False).lora == "off"
 
 
-def test_the_router_sends_requests_to_paired_replicas_alone_but_pinned_calls_and_those_without_a_request():
-    from deployments.pd import routing
+def _replica(rid: str):
+    return SimpleNamespace(replica_id=SimpleNamespace(to_full_id_str=lambda: rid), routing_stats={})
+
+
+def _call(method: str, *args, **kwargs):
+    """A pending call as Serve's router holds it (its fields this router reads)."""
+    return SimpleNamespace(kwargs=kwargs, args=args, metadata=SimpleNamespace(call_method=method),
+                           routing_context=RequestRoutingContext())
+
+
+def _router(deployment: str, replicas: list):
     from deployments.pd.routing import EngineRouter
 
-    def replica(rid: str):
-        return SimpleNamespace(replica_id=SimpleNamespace(to_full_id_str=lambda: rid), routing_stats={})
-
     router = EngineRouter.__new__(EngineRouter)  # its routing alone: no Serve controller behind it
-    router._deployment_id = SimpleNamespace(name="DecodeServer")
-    a, b = replica("a"), replica("b")
-    probe = SimpleNamespace(kwargs={"pinned": "b"}, args=())
-    info = SimpleNamespace(kwargs={}, args=())
-    call = SimpleNamespace(kwargs={}, args=(GenerationRequest("r", [1, 2, 3], SamplingParams()),),
-                           metadata=SimpleNamespace(call_method="decode"))
+    router._deployment_id = SimpleNamespace(name=deployment)
+    router._replicas = {r.replica_id.to_full_id_str(): r for r in replicas}  # what Serve's retry loop reads
+    router._replicas_list = list(replicas)
+    router.num_routing_tasks_in_backoff = 0
+    router.num_routing_tasks_in_backoff_gauge = SimpleNamespace(set=lambda value: None)
+    router.update_backoff_params(initial_backoff_s=0.01, backoff_multiplier=2, max_backoff_s=0.05)
+    return router
+
+
+def _forget_routing(deployment: str, replica_ids: tuple[str, ...]) -> None:
+    """What this process's router learnt: no other test's."""
+    from deployments.pd import routing
+
+    routing._paired.clear()
+    routing._indexes.pop(deployment, None)
+    routing._replica_counts.pop(deployment, None)
+    for rid in replica_ids:
+        routing._sent.pop(rid, None)
+
+
+def test_the_router_sends_requests_to_paired_replicas_alone_but_pinned_calls_and_those_without_a_request():
+    from deployments.pd import routing
+
+    a, b = _replica("a"), _replica("b")
+    router = _router("DecodeServer", [a, b])
+    probe, info = _call("answering", pinned="b"), _call("info")
+    call = _call("decode", GenerationRequest("r", [1, 2, 3], SamplingParams()))
     try:
         routing.set_paired("DecodeServer", {"a"})
         assert asyncio.run(router.choose_replicas([a, b], call)) == [[a]]
@@ -108,9 +137,45 @@ def test_the_router_sends_requests_to_paired_replicas_alone_but_pinned_calls_and
         routing.set_paired("DecodeServer", None)
         ranks = asyncio.run(router.choose_replicas([a, b], call))  # best first, then the rest
         assert sorted(r.replica_id.to_full_id_str() for rank in ranks for r in rank) == ["a", "b"]
-    finally:  # what this process's router learnt: no other test's
-        routing._paired.clear()
-        routing._indexes.pop("DecodeServer", None)
-        routing._replica_counts.pop("DecodeServer", None)
-        for rid in ("a", "b"):
-            routing._sent.pop(rid, None)
+    finally:
+        _forget_routing("DecodeServer", ("a", "b"))
+
+
+def test_a_call_no_replica_may_take_leaves_the_routers_loop_running_and_is_routed_once_one_may():
+    """Serve's own retry loop (RequestRouter._choose_replicas_with_backoff) over this router, for a D
+    call while no D is paired: the loop it runs in (shared by every handle of the ingress) runs other
+    tasks between the tries, and the call goes to the replica paired later. A retry that never yields
+    would starve every router of the process (issue 55's CI failure: no P call routed after D was
+    found unpaired)."""
+    from deployments.pd import routing
+
+    a = _replica("a")
+    router = _router("DecodeServer", [a])
+    call = _call("decode", GenerationRequest("r", [1, 2, 3], SamplingParams()))
+    ticks = []  # another task's turns while the call waits
+
+    async def route_while_ticking():
+        async def first_choice():
+            async for replicas in router._choose_replicas_with_backoff(call):
+                return replicas
+
+        routing_task = asyncio.create_task(first_choice())
+        for _ in range(3):
+            await asyncio.sleep(0.01)
+            ticks.append(routing_task.done())
+        routing.set_paired("DecodeServer", {"a"})
+        return await routing_task
+
+    routed = []
+    thread = threading.Thread(target=lambda: routed.append(asyncio.run(route_while_ticking())), daemon=True)
+    try:
+        routing.set_paired("DecodeServer", set())
+        thread.start()
+        thread.join(30)
+        starved = thread.is_alive()
+        routing.set_paired("DecodeServer", {"a"})  # ends a spinning retry loop, if there is one
+        thread.join(30)
+        assert not starved, "the router's retry loop never let another task of its event loop run"
+        assert ticks == [False, False, False] and routed == [[a]]
+    finally:
+        _forget_routing("DecodeServer", ("a",))

@@ -157,7 +157,7 @@ class Readiness:
             deployments[self.last.deployment] = {"status": "failing", "reason": self.last.reason}
         return False, {"status": "unavailable", "canary": {"deployment": self.last.deployment,
                                                            "reason": self.last.reason},
-                       "deployments": deployments}
+                       "deployments": deployments, **_named(incompatible)}
 
     async def without_replicas(self) -> list[str]:
         """The deployments with no replica both running (Serve's word to this process's router, which

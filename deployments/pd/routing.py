@@ -16,6 +16,9 @@ the ingress's process. For a call:
    it since. Ties are broken at random; the other replicas follow, best first, so Serve falls
    back to them when the first is full.
 
+A choice that finds no replica is retried by Serve after a growing back-off (never in a tight loop:
+``choose_replicas`` says so on every call).
+
 The index is a guess (a replica may have evicted a prefix since); D's own answer is exact, and is
 what P's export starts from. Priority is not the router's concern: every replica takes up to
 ``max_ongoing_requests`` calls at once, and each engine's scheduler orders them by priority.
@@ -180,6 +183,12 @@ class EngineRouter(FIFOMixin, RequestRouter):
         from deployments.replicas import liveness
         from deployments.pd import routing
 
+        if pending_request is not None:
+            # Serve retries a choice that found no replica (or only full ones) at once and without
+            # yielding unless told to back off (its locality mixin tells it so; this router has none):
+            # a request no replica may take (every D unpaired) would spin the router's event loop, which
+            # every handle of this process shares, and no call of any deployment would be routed again.
+            pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
         routing._replica_counts[self._deployment_id.name] = len(candidate_replicas)
