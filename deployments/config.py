@@ -68,6 +68,10 @@ class AppArgs(BaseModel):
         True, description="PD: while no decode replica answers (dead, stopped, stuck: deployments/pd/decode_watch.py) "
         "or none is paired with P (its KV would mean something else: deployments/pd/compatibility.py), "
         "prefill replicas serve requests whole, as colocated engines; off: such requests get a 503 at once")
+    pd_degrade_to_decode: bool = Field(
+        True, description="PD: while no prefill replica answers (dead, stopped, stuck: deployments/pd/decode_watch.py) "
+        "and a decode replica does, decode replicas prefill requests themselves (as for a local prefill); off: such "
+        "requests get a 503 at once")
     stall_timeout_s: float = Field(5.0, gt=0, description="seconds without a token or a heartbeat after which "
                                    "the ingress takes a streaming replica for stalled and moves its request "
                                    "(deployments/replicas/liveness.py); the replica says it is alive 4 times as often")

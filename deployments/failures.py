@@ -45,6 +45,11 @@ class NoDecodeReplica(Exception):
     (``pd_degrade_to_prefill`` off): the request ends with a clean 503 at once."""
 
 
+class NoPrefillReplica(Exception):
+    """No P replica can answer and the app does not degrade to D-only serving
+    (``pd_degrade_to_decode`` off): the request ends with a clean 503 at once."""
+
+
 # What Ray and Serve raise when a replica died, is unreachable or lost an object; and a replica
 # that did not take its KV in time or stalled mid-stream, which the ingress treats the same way.
 REPLICA_FAILURES = (RayError, RayServeException, KVLeaseExpired, ReplicaStalled, ReplicaGone, DecodeDown,
@@ -76,6 +81,9 @@ def client_error(error: BaseException) -> APIError:
     logger.warning("request failed: %s: %s", type(cause).__name__, cause)
     if isinstance(cause, NoDecodeReplica):
         return APIError(503, "no decode replica is available; retry it", code="no_decode_replica",
+                        retry_after=REPLICA_RETRY_AFTER_S)
+    if isinstance(cause, NoPrefillReplica):
+        return APIError(503, "no prefill replica is available; retry it", code="no_prefill_replica",
                         retry_after=REPLICA_RETRY_AFTER_S)
     if isinstance(cause, REPLICA_FAILURES):
         return APIError(503, "a replica serving this request failed or is unavailable; retry it",

@@ -24,13 +24,13 @@ from ray import serve
 from deployments.app import colocated_app, pd_app
 from deployments.pd.backends import PDBackend
 from deployments.config import AppArgs
-from deployments.failures import client_error
+from deployments.failures import NoDecodeReplica, NoPrefillReplica, client_error
 from dialects.errors import APIError
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 from tests.serving import (HEALTHY_AGAIN_S, RAY_INTERNALS, REPLICA_RESTART_S, assert_nothing_held, call_replica,
                            deploy, migrations, processes, replica_process, replicas, serve_session, sigkill, stopped,
-                           wait_until)
+                           wait_until, work_done)
 
 LONG = 800  # tokens a stream asks for: it is still running when the replica is killed (~5 s of decoding here)
 DECODE_REPLICAS = 2
@@ -123,9 +123,12 @@ def test_each_failure_maps_to_a_status_a_client_can_act_on():
         "died": ray.exceptions.ActorDiedError(), "unavailable": ray.exceptions.ActorUnavailableError("x", b"1" * 16),
         "lost": ray.exceptions.ObjectLostError("ab" * 14, "owner 10.0.0.7:1234", ""), "late": TimeoutError(),
         "bug": KeyError("pid 4242 at 10.0.0.7"), "field": ValueError("top_k: must be < 1024"),
-        "api": APIError(404, "model: no", "model")}.items()}
-    assert [told[k].status for k in ("died", "unavailable", "lost", "late", "bug", "field", "api")] == \
-        [503, 503, 503, 504, 500, 400, 404]
+        "api": APIError(404, "model: no", "model"), "no D": NoDecodeReplica("off"),
+        "no P": NoPrefillReplica("off")}.items()}
+    assert [told[k].status for k in ("died", "unavailable", "lost", "late", "bug", "field", "api", "no D", "no P")] == \
+        [503, 503, 503, 504, 500, 400, 404, 503, 503]
+    assert (told["no D"].body()["error"]["code"], told["no P"].body()["error"]["code"]) == \
+        ("no_decode_replica", "no_prefill_replica")
     assert told["died"].response().headers["retry-after"] == "1" and told["field"].param == "top_k"
     for kind in ("died", "unavailable", "lost", "late", "bug"):
         assert not RAY_INTERNALS.search(json.dumps(told[kind].body())), told[kind].body()
@@ -314,6 +317,47 @@ def test_no_decode_replica_answering_p_serves_alone_then_pd_comes_back(base_url)
     alone = served_by_p_alone(base_url)
     assert reference_text(base_url, path, degraded_body(0)) == references[0]
     assert served_by_p_alone(base_url) == alone
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pd", 120)
+
+
+def served_by_d_alone(url: str) -> float:
+    return pd_metric(url, "pdserve_pd_prefill_decisions", 'reason="no_prefill_replica",where="decode_only"')
+
+
+@pytest.mark.slow
+def test_no_prefill_replica_answering_d_serves_alone_then_pd_comes_back(base_url):
+    """Every P SIGSTOPped: within about stall_timeout_s /health says degraded naming P; a request
+    sent as P stopped, with a prompt no D holds (its P call never taken), moves to D, which
+    computes its prompt and completes it; 8 more requests are served by D alone with the tokens PD
+    gave them before the fault. After SIGCONT, P answers again and new requests go through P then D."""
+    path = "/infer_token"
+    references = [reference_text(base_url, path, degraded_body(i)) for i in range(8)]  # through P and D
+    alone_before, migrated_before = served_by_d_alone(base_url), migrations(base_url)
+    computed_before = work_done("DecodeServer", "pd")["prompt_tokens_computed"]
+    prefill = processes("PrefillServer")
+    with stopped("PrefillServer"), concurrent.futures.ThreadPoolExecutor(8) as pool:
+        waiting = pool.submit(httpx.post, f"{base_url}{path}", json=degraded_body(9), timeout=60)
+
+        def degraded() -> bool:
+            body = httpx.get(f"{base_url}/health", timeout=30).json()
+            return body["status"] == "degraded" and "no prefill replica" in body["reason"]
+
+        assert wait_until(degraded, 60, 0.1)
+        answers = list(pool.map(lambda i: httpx.post(f"{base_url}{path}", json=degraded_body(i), timeout=60),
+                                range(8)))
+        waited = waiting.result()
+        assert all(p.is_running() and p.status() == psutil.STATUS_STOPPED for p in prefill)  # the fault held
+        assert pd_metric(base_url, "pdserve_pd_prefill_replicas_answering") == 0
+    assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers if a.status_code != 200]
+    assert [a.json()["generated_text"] for a in answers] == references
+    assert waited.status_code == 200 and waited.json()["details"]["generated_tokens"] == 16, waited.text
+    assert migrations(base_url) > migrated_before  # the waiting one left the stopped P ...
+    assert work_done("DecodeServer", "pd")["prompt_tokens_computed"] >= computed_before + DEGRADED_PROMPT  # for D
+    assert served_by_d_alone(base_url) == alone_before + 9  # P was stopped throughout: each ended on D alone
+    # P runs again: it answers the probes, /health is ok again, and new requests go through P then D.
+    assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).json()["status"] == "ok", HEALTHY_AGAIN_S, 0.5)
+    assert reference_text(base_url, path, degraded_body(9)) == waited.json()["generated_text"]
+    assert served_by_d_alone(base_url) == alone_before + 9
     assert_nothing_held(["PrefillServer", "DecodeServer"], "pd", 120)
 
 

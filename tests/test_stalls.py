@@ -46,7 +46,7 @@ def base_url():
         deploy({APP: pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
                              "kv_lease_s": 6, "stall_timeout_s": STALL_TIMEOUT_S, "step_timeout_s": STEP_TIMEOUT_S,
                              "pd_local_prefill_tokens": 0, "admission_tokens_per_replica": TOKENS_PER_REPLICA,
-                             "pd_degrade_to_prefill": False, "kv_transport": "shared_memory"},
+                             "pd_degrade_to_prefill": False, "pd_degrade_to_decode": False, "kv_transport": "shared_memory"},
                             prefill_options=options, decode_options=options)})
         url = f"{url}/{APP}"
         assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, HEALTHY_AGAIN_S, 1)
@@ -210,35 +210,39 @@ def first_503(url: str, timeout_s: float) -> tuple[httpx.Response, int, float]:
 
 
 @pytest.mark.slow
-def test_without_degradation_no_decode_replica_answering_is_a_clean_503_at_once(base_url):
-    """This app does not degrade to P-only decoding (pd_degrade_to_prefill off). Every D SIGSTOPped:
-    within about stall_timeout_s /health is 503 naming D, and new requests get a clean 503 in their
-    dialect at once, before P computes anything (never a wait for a KV lease). After SIGCONT, 200."""
+@pytest.mark.parametrize("role", ["DecodeServer", "PrefillServer"])
+def test_without_degradation_no_replica_of_a_role_answering_is_a_clean_503_at_once(base_url, role):
+    """This app degrades to neither role alone (pd_degrade_to_prefill and pd_degrade_to_decode off).
+    Every replica of ``role`` SIGSTOPped: within about stall_timeout_s /health is 503 naming it, and
+    new requests get a clean 503 in their dialect at once, before the other role computes anything
+    (never a wait for a KV lease or a stalled call). After SIGCONT, 200."""
+    kind = "decode" if role == "DecodeServer" else "prefill"
+    other = "PrefillServer" if role == "DecodeServer" else "DecodeServer"
     requests = [("/infer_token", {"input_id": [1, 80, 81, 82],
                                   "parameters": {"max_new_tokens": 8, "ignore_eos": True}}),
                 ("/v1/completions", {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8})]
     for path, body in requests:  # served (and the model's details known to the ingress) before the fault
         assert httpx.post(f"{base_url}{path}", json=body, timeout=60).status_code == 200
-    with stopped("DecodeServer", APP):
+    with stopped(role, APP):
         answer, polls, seconds = first_503(base_url, 60)
-        print(f"\n/health: 503 {seconds:.2f} s after every D was stopped ({polls} polls, every 0.1 s; "
+        print(f"\n/health: 503 {seconds:.2f} s after every {role} was stopped ({polls} polls, every 0.1 s; "
               f"stall_timeout_s={STALL_TIMEOUT_S}, no degradation)")
-        assert "DecodeServer" in answer.json()["deployments"], answer.json()
+        assert role in answer.json().get("deployments", {}), answer.json()
 
-        # A failed canary or Serve's own health check may name D first; the ingress's probes say
-        # "no decode replica answers" once stall_timeout_s has passed without an answer.
+        # A failed canary or Serve's own health check may name the role first; the ingress's probes
+        # say "no ... replica answers" once stall_timeout_s has passed without an answer.
         def probes_say_down() -> bool:
             body = httpx.get(f"{base_url}/health", timeout=30).json()
-            return body.get("deployments", {}).get("DecodeServer") == {"status": "failing",
-                                                                       "reason": "no decode replica answers"}
+            return body.get("deployments", {}).get(role) == {"status": "failing",
+                                                             "reason": f"no {kind} replica answers"}
 
         assert wait_until(probes_say_down, 60, 0.1)
-        prompts_before = work_done("PrefillServer", APP)["prompt_tokens_computed"]  # the canary's, if any, done
+        prompts_before = work_done(other, APP)["prompt_tokens_computed"]  # the canary's, if any, done
         refused = [httpx.post(f"{base_url}{path}", json=body, timeout=30) for path, body in requests]
-        assert work_done("PrefillServer", APP)["prompt_tokens_computed"] == prompts_before  # P never asked
+        assert work_done(other, APP)["prompt_tokens_computed"] == prompts_before  # the other role never asked
     for response in refused:
         assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
-        assert response.json()["error"]["code"] == "no_decode_replica", response.text
+        assert response.json()["error"]["code"] == f"no_{kind}_replica", response.text
         assert not RAY_INTERNALS.search(response.text), response.text
     assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).status_code == 200, HEALTHY_AGAIN_S, 0.5)
     assert httpx.post(f"{base_url}{requests[0][0]}", json=requests[0][1], timeout=60).status_code == 200

@@ -14,8 +14,10 @@ is polled, canaries run at most once per ``FRESH_S`` while they succeed.
 In PD, while no D replica can answer (dead in the registry, or silent to the ingress's probes for
 ``stall_timeout_s``: deployments/pd/decode_watch.py), the app serves on P alone (``pd_degrade_to_prefill``):
 ``/health`` is then 200 with ``"status": "degraded"`` and the reason, its canary through P alone; with
-degradation off, 503 naming D. A D replica whose KV fetch runs past its deadline (a stuck transfer
-path, as the probes report it) is a 503 naming D too.
+degradation off, 503 naming D. Likewise while no P replica answers and a D does, the app serves on D
+alone (``pd_degrade_to_decode``): "degraded", its canary through D alone; off, 503 naming P. A D
+replica whose KV fetch runs past its deadline (a stuck transfer path, as the probes report it) is a
+503 naming D too.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ray import serve
 
 from deployments.pd import routing
 from deployments.pd.backends import PDBackend
-from deployments.pd.decode_watch import NO_ANSWER
+from deployments.pd.decode_watch import NO_ANSWER, NO_PREFILL_ANSWER
 from deployments.pd.compatibility import INCOMPATIBLE
 from deployments.failures import REPLICA_FAILURES, root_cause
 from engine.request import PRIORITY_MIN, GenerationRequest
@@ -55,7 +57,7 @@ class CanaryResult:
     at: float  # time.monotonic() when it ended
     deployment: str | None = None  # where it failed
     reason: str | None = None
-    prefill_only: bool = False  # it went through P alone: no D answered (PD degraded)
+    alone: str | None = None  # the one deployment it went through (PD degraded: the other did not answer)
 
 
 def canary_request(timeout_s: float) -> GenerationRequest:
@@ -126,11 +128,17 @@ class Readiness:
         decode_down = pd and ("DecodeServer" in dead or self.backend.watch.down())
         incompatible = self.backend.watch.incompatible() if pd else []  # each unpaired replica, and why
         why_down = NO_ANSWER if "DecodeServer" in dead or not pd else self.backend.watch.why_down()
+        prefill_down = pd and not decode_down and ("PrefillServer" in dead or self.backend.watch.prefill_down())
         failing = {name: "no live replica" for name in dead}
         if decode_down and self.backend.degrade_to_prefill:
             failing.pop("DecodeServer", None)  # P serves alone: degraded, not down
         elif decode_down:
             failing.setdefault("DecodeServer", why_down)
+        if prefill_down and self.backend.degrade_to_decode:
+            failing.pop("PrefillServer", None)  # D serves alone
+        elif prefill_down:
+            failing.setdefault("PrefillServer", NO_PREFILL_ANSWER)
+        alone = "PrefillServer" if decode_down else "DecodeServer" if prefill_down else None
         if pd and (stuck := self.backend.watch.transfers())["past_deadline"]:
             failing.setdefault("DecodeServer", f"{stuck['past_deadline']} KV transfer(s) past their deadline, "
                                                f"the oldest {stuck['oldest_s']:.0f} s old")
@@ -141,12 +149,15 @@ class Readiness:
             return False, {"status": "unavailable", "deployments": states, **_named(incompatible)}
         async with self._lock:  # one canary at a time; a waiter reads the result it left
             if not (self.last and self.last.ok and time.monotonic() - self.last.at < FRESH_S
-                    and self.last.prefill_only == decode_down):
-                self.last = await self.canary(prefill_only=decode_down)
+                    and self.last.alone == alone):
+                self.last = await self.canary(alone)
         if self.last.ok:
             age = round(time.monotonic() - self.last.at, 3)
             if decode_down:
                 return True, {"status": "degraded", "reason": f"{why_down}: prefill replicas decode",
+                              "canary_age_s": age, **_named(incompatible)}
+            if prefill_down:
+                return True, {"status": "degraded", "reason": f"{NO_PREFILL_ANSWER}: decode replicas prefill",
                               "canary_age_s": age, **_named(incompatible)}
             if incompatible:  # pairs serve; the unpaired replicas take no request
                 return True, {"status": "degraded", "reason": f"{INCOMPATIBLE}: unpaired replicas take no request",
@@ -179,10 +190,10 @@ class Readiness:
                 dead.append(name)
         return dead
 
-    async def canary(self, prefill_only: bool = False) -> CanaryResult:
-        """One short request through every engine deployment (P alone when ``prefill_only``), and
-        the embedder's info call."""
-        names = list(self.backend.handles)[:1] if prefill_only else list(self.backend.handles)
+    async def canary(self, alone: str | None = None) -> CanaryResult:
+        """One short request through every engine deployment (through ``alone``, P or D, when the
+        other does not answer), and the embedder's info call."""
+        names = [alone] if alone else list(self.backend.handles)
         reached = 0  # outputs seen: P answered once the first token is back
         try:
             async with asyncio.timeout(CANARY_TIMEOUT_S):
@@ -190,7 +201,8 @@ class Readiness:
                 request = canary_request(CANARY_TIMEOUT_S)
                 # In PD, through P and D whatever the policy says: both are checked.
                 pd = isinstance(self.backend, PDBackend)
-                stream = (self.backend.prefill_only(request, counted=False) if prefill_only else
+                stream = (self.backend.prefill_only(request, counted=False) if alone == "PrefillServer" else
+                          self.backend.decode_only(request, counted=False) if alone == "DecodeServer" else
                           self.backend.stream(request, disaggregate=True) if pd else self.backend.stream(request))
                 async for batch in stream:
                     for output in batch:
@@ -204,13 +216,13 @@ class Readiness:
         except Exception as error:
             where = names[min(reached, len(names) - 1)]
             logger.warning("health canary failed at %s: %s", where, describe(error))
-            return CanaryResult(False, time.monotonic(), where, describe(error), prefill_only)
+            return CanaryResult(False, time.monotonic(), where, describe(error), alone)
         if self.embedder is not None:
             try:
                 await asyncio.wait_for(self.embedder.info.remote(), CANARY_TIMEOUT_S)
             except Exception as error:
-                return CanaryResult(False, time.monotonic(), "EmbeddingServer", describe(error), prefill_only)
-        return CanaryResult(True, time.monotonic(), prefill_only=prefill_only)
+                return CanaryResult(False, time.monotonic(), "EmbeddingServer", describe(error), alone)
+        return CanaryResult(True, time.monotonic(), alone=alone)
 
     async def deployment_states(self) -> dict[str, dict]:
         """Each deployment of this application but the ingress: its state and, if not healthy, why."""

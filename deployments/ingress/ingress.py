@@ -66,7 +66,7 @@ class Ingress:
         self.backend = (ColocatedBackend(llm, args.stall_timeout_s) if llm is not None
                         else PDBackend(prefill, decode, args.kv_lease_s, args.stall_timeout_s, args.disaggregation,
                                        make_kv_connector(args.kv_transport, args.kv_lease_s),
-                                       args.pd_degrade_to_prefill))
+                                       args.pd_degrade_to_prefill, args.pd_degrade_to_decode))
         self.embedder = embedder
         roles = list(self.backend.handles)  # P then D, or the colocated engine
         admission = Admission(roles[0] if len(roles) > 1 else None, roles[-1], args.admission_tokens_per_replica,

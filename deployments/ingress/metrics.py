@@ -7,8 +7,8 @@ deployments at scrape time, queue depth
 by priority, KV blocks used / cached / free and the usage fraction, prefix-cache queries and
 hits (tokens, as vLLM counts them), speculative decoding's drafts and accepted tokens (as
 vLLM names them), requests ended by finish reason, and KV bytes moved from P to D; and, in PD,
-where each prompt was computed and why (``prefill_only``: P served it whole, no D answering), how
-many D replicas answer, and whose its tokens were.
+where each prompt was computed and why (``prefill_only``: P served it whole, no D answering;
+``decode_only``: D did, no P answering), how many D and P replicas answer, and whose its tokens were.
 Deployment figures come from the replica a handle call reaches (one per deployment per
 scrape).
 """
@@ -97,6 +97,9 @@ METRICS = (
            "answered the ingress's probe within stall_timeout_s and are paired with P (deployments/pd/"
            "compatibility.py); 0: P serves alone (prefill_only decisions) or, "
            "degradation off, requests get a 503"),
+    Metric("pd_prefill_answering", Gauge, "pdserve_pd_prefill_replicas_answering", "PD: prefill replicas that "
+           "answered the ingress's probe within stall_timeout_s and are paired; 0: D serves alone "
+           "(decode_only decisions) or, degradation off, requests get a 503"),
     Metric("kv_in_flight", Gauge, "pdserve_kv_transfers_in_flight", "PD: KV fetches D replicas have started and "
            "not ended (every D replica answering the ingress's probe)"),
     Metric("kv_oldest", Gauge, "pdserve_kv_transfer_oldest_seconds", "PD: age of the oldest KV fetch in flight"),
@@ -158,6 +161,7 @@ class IngressMetrics:
             self.pd_decisions.labels(where, reason).set(count)
         if (watch := getattr(backend, "watch", None)) is not None:
             self.pd_decode_answering.set(len(watch.answering()))
+            self.pd_prefill_answering.set(len(watch.prefill_answering()))
             fetches = watch.transfers()
             self.kv_in_flight.set(fetches["in_flight"])
             self.kv_oldest.set(fetches["oldest_s"])

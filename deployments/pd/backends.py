@@ -19,9 +19,9 @@ from typing import AsyncIterator, Awaitable, Callable
 from ray.serve.handle import DeploymentHandle
 
 from deployments.pd import routing
-from deployments.pd.decode_watch import DecodeWatch
-from deployments.pd.disaggregation import NO_DECODE_REPLICA, NO_PLAN, Decision, DisaggregationPolicy
-from deployments.failures import DecodeDown, KVLeaseExpired, NoDecodeReplica
+from deployments.pd.decode_watch import NO_PREFILL_ANSWER, DecodeWatch
+from deployments.pd.disaggregation import NO_DECODE_REPLICA, NO_PLAN, NO_PREFILL_REPLICA, Decision, DisaggregationPolicy
+from deployments.failures import DecodeDown, KVLeaseExpired, NoDecodeReplica, NoPrefillReplica
 from deployments.pd.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.replicas.liveness import taken_then_watched, watched
 from deployments.replicas.output_channels import ChannelReceiver
@@ -76,15 +76,17 @@ class PDBackend:
     While no D replica can answer (``DecodeWatch``, deployments/pd/decode_watch.py), P serves new
     requests whole, as a colocated engine, and a request waiting for a D to take its KV fails with
     ``DecodeDown`` (a replica failure: it moves to P); with ``degrade_to_prefill`` off, new requests
-    fail at once with ``NoDecodeReplica`` (a clean 503) instead."""
+    fail at once with ``NoDecodeReplica`` (a clean 503) instead. While no P replica answers and a D
+    does, D serves new requests whole (its local prefill, unpinned); a request whose P call stalls
+    migrates there; with ``degrade_to_decode`` off, ``NoPrefillReplica`` (a clean 503)."""
 
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, kv_lease_s: float,
                  stall_timeout_s: float, policy: DisaggregationPolicy, kv: KVConnector | None = None,
-                 degrade_to_prefill: bool = True) -> None:
+                 degrade_to_prefill: bool = True, degrade_to_decode: bool = True) -> None:
         """``kv``: the app's KV connector (``kv_transport``), the one its P and D use."""
         self.prefill, self.decode = prefill, decode
         self.watch = DecodeWatch(decode, stall_timeout_s / 4, stall_timeout_s, prefill)
-        self.degrade_to_prefill = degrade_to_prefill
+        self.degrade_to_prefill, self.degrade_to_decode = degrade_to_prefill, degrade_to_decode
         self.kv_lease_s, self.stall_timeout_s = kv_lease_s, stall_timeout_s
         self.policy = policy
         self.kv: KVConnector = kv or ObjectStoreConnector()
@@ -97,9 +99,11 @@ class PDBackend:
                      disaggregate: bool = False) -> AsyncIterator[list[RequestOutput]]:
         """The request's output batches, from D alone or from P then D; ``trace`` learns each engine's
         times and the KV fetch. ``disaggregate``: through P and D whatever the policy says, and
-        not counted (the health canary, which checks both; P alone while no D answers)."""
-        if self.watch.down():
-            async with aclosing(self.prefill_only(request, trace, counted=not disaggregate)) as batches:
+        not counted (the health canary, which checks both; one alone while the other does not answer)."""
+        alone = (self.prefill_only if self.watch.down() else
+                 self.decode_only if self.watch.prefill_down() else None)
+        if alone is not None:
+            async with aclosing(alone(request, trace, counted=not disaggregate)) as batches:
                 async for batch in batches:
                     yield batch
             return
@@ -147,6 +151,19 @@ class PDBackend:
         if counted:
             self.decisions["prefill_only", NO_DECODE_REPLICA] += 1
         call = self.prefill.options(stream=True, _by_reference=False).generate.remote(request)
+        async with aclosing(_served(call, self.stall_timeout_s, trace)) as batches:
+            async for batch in batches:
+                yield batch
+
+    async def decode_only(self, request: GenerationRequest, trace: RequestTrace | None = None,
+                          counted: bool = True) -> AsyncIterator[list[RequestOutput]]:
+        """No P replica answers: D serves the whole request (its local prefill), counted as a
+        ``decode_only`` decision; NoPrefillReplica instead with degradation off."""
+        if not self.degrade_to_decode:
+            raise NoPrefillReplica(f"{NO_PREFILL_ANSWER} and pd_degrade_to_decode is off")
+        if counted:
+            self.decisions["decode_only", NO_PREFILL_REPLICA] += 1
+        call = self.decode.options(stream=True, _by_reference=False).generate.remote(request)
         async with aclosing(_served(call, self.stall_timeout_s, trace)) as batches:
             async for batch in batches:
                 yield batch

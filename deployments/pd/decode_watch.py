@@ -12,12 +12,13 @@ pile of them). It is *answering* until it has been silent for ``stall_timeout_s`
 under a burst one slow probe answer does not call a live replica down (issue 55); a probe that fails
 as a replica failure (it died) does, at once. One new to the ingress has ``stall_timeout_s`` to answer.
 
-``DecodeWatch`` watches D, and P beside it for its descriptors: it pairs them (compatibility.pair),
+``DecodeWatch`` watches D, and P beside it for its descriptors and its answers: it pairs them (compatibility.pair),
 tells the routers which replicas are paired (deployments/pd/routing.py routes to those alone: an
 unpaired replica, or one not described yet, takes no request), logs each
 mismatch once, and counts an unpaired D as not answering. When no D answers, D is *down*: the PD
 backend (deployments/pd/backends.py) then runs new requests on P as a colocated engine, moves the
-ones waiting for a D there, and goes back to P then D as soon as one replica answers again.
+ones waiting for a D there, and goes back to P then D as soon as one replica answers again. When
+no P answers (``prefill_down``) while D does, D serves new requests whole, prefilling them itself.
 
 Each D answer also carries the replica's KV fetches (in flight, the oldest's age, past their
 deadline, failed by cause: KVConnector.transfer_health): ``transfers`` sums them over the D replicas
@@ -45,6 +46,7 @@ PREFILL = "PrefillServer"
 PROBES_IN_FLIGHT = 2  # unanswered probes a replica may have at once
 MISSED_PROBES = 2  # a silent replica is called down only once this many of its probes were missed
 NO_ANSWER = "no decode replica answers"
+NO_PREFILL_ANSWER = "no prefill replica answers"
 NO_PAIR = f"{INCOMPATIBLE}: no decode replica is paired with a prefill replica"
 
 logger = logging.getLogger("ray.serve." + __name__)
@@ -174,6 +176,18 @@ class DecodeWatch(RoleWatch):
         paired with P. False until this process's router has learnt D's replicas (a probe teaches it)."""
         answering = self.answering()
         return routing.routed_replicas(DEPLOYMENT) is not None and not answering
+
+    def prefill_answering(self) -> set[str]:
+        """The P replicas Serve runs that answer (RoleWatch) and are paired with D; none without a P watch."""
+        if self.prefill is None:
+            return set()
+        return self.prefill.answering() - set(self.pairing.unpaired.get(PREFILL, {}))
+
+    def prefill_down(self) -> bool:
+        """No P replica can be used: Serve runs none, or none has answered. False without a P watch,
+        and until this process's router has learnt P's replicas."""
+        return (self.prefill is not None and routing.routed_replicas(PREFILL) is not None
+                and not self.prefill_answering())
 
     def why_down(self) -> str:
         """What ``down()`` means now: no D is paired with P (some D answers, none may take P's KV), or

@@ -30,6 +30,8 @@ holding 80% of its KV or more also keeps the long rests of ``prefill_busy`` off 
 
 - ``no_decode_replica`` (counted under where ``prefill_only``): no D replica answers
   (deployments/pd/decode_watch.py): P computes the prompt and decodes it too, as a colocated engine.
+- ``no_prefill_replica`` (counted under where ``decode_only``): D answers but no P replica does: D
+  computes the prompt too, as it does for a local prefill.
 
 A failure never changes the decision: a request whose P or D fails migrates
 (deployments/ingress/migration.py) and is decided again there.
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 DECODE_BUSY_KV_USAGE = 0.8  # above it, D is not given prompts P could compute
 NO_PLAN = "no_plan"
 NO_DECODE_REPLICA = "no_decode_replica"  # no D answers: P serves the whole request
+NO_PREFILL_REPLICA = "no_prefill_replica"  # no P answers: D serves the whole request
 
 
 @dataclass(frozen=True)
