@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 import os
+import typing
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, create_model, model_validator
 
 from deployments.pd.disaggregation import DisaggregationPolicy
 from deployments.ingress.rate_limits import RateLimits
-from engine.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from engine.config import EngineConfig, app_settings
 from engine.execution.loader import TINY_LLAMA
 
 
@@ -22,7 +23,9 @@ from engine.execution.loader import TINY_LLAMA
 TLS_OPTIONS = ("ssl_keyfile", "ssl_certfile", "ssl_keyfile_password", "ssl_ca_certs")
 
 
-class AppArgs(BaseModel):
+class _AppArgs(BaseModel):
+    """The arguments that are the application's own; ``AppArgs`` adds the engine's settings."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field("tiny-llama", description="a local Hugging Face model directory, a .gguf file (or a directory "
@@ -34,24 +37,6 @@ class AppArgs(BaseModel):
     model_aliases: list[str] = Field(default_factory=list, description="other names a request's model may give for "
                                      "the base model (e.g. gpt-3.5-turbo, as the seeds' examples send); answers "
                                      "name served_model_name")
-    max_iter_times: int = Field(1024, gt=0, description="server cap on generated tokens per request")
-    dtype: str = Field("auto", description="one of " + ", ".join(DTYPES) +
-                       "; auto: bfloat16 where the hardware computes it natively, else float32")
-    device: str = Field("cpu", description="cpu, cuda[:N] or npu[:N]")
-    block_size: int = Field(16, gt=0)
-    num_blocks: int | None = Field(None, gt=0)
-    kv_cache_memory_gb: float = Field(0.5, gt=0)
-    max_num_seqs: int = Field(256, gt=0)
-    max_num_batched_tokens: int = Field(2048, gt=0)
-    max_model_len: int | None = Field(None, gt=0)
-    torch_threads: int | None = Field(None, gt=0, description="intra-op threads per engine replica")
-    enable_prefix_caching: bool = Field(True, description="reuse the KV of prompt blocks computed before")
-    attention_backend: str = Field("auto", description="auto, torch_sdpa (the reference) or cpu_paged (the C++ "
-                                   "kernel that reads the KV pool in place); engine/execution/attention/")
-    batch_invariant: bool | None = Field(
-        None, description="each request's tokens and logprobs independent of the other requests of its steps and "
-        "of its prompt's chunking (docs/sampling.md); costs some throughput. Default: on on the CPU, but "
-        "in bf16/fp16 on a CPU with AMX or AVX512-BF16; PDSERVE_BATCH_INVARIANT=1 or 0 in the replicas' environment decides")
     max_ongoing_requests: int = Field(256, gt=0, description="admission's request budget per P/D replica; the engines' Serve "
                                       "max_ongoing_requests is sized from it (deployments/ingress/admission.py)")
     finish_reasons: Literal["openai", "mindie"] = Field(
@@ -104,20 +89,12 @@ class AppArgs(BaseModel):
     max_logits_floats: int = Field(1 << 24, gt=0, description="/infer_token: the most floats return_context_logits "
                                    "or return_generation_logits may return per request (4 bytes each); "
                                    "beyond it, a 400 before any work")
-    max_draft_tokens: int = Field(8, ge=0, description="/infer_token: the most draft_input_ids a request may send, "
-                                  "all verified in one step; 0 refuses drafts")
-    prompt_lookup: bool = Field(False, description="speculative decoding by prompt lookup for requests that do not "
-                                "say (docs/serving.md); the output is the same either way")
-    num_speculative_tokens: int = Field(4, gt=0, description="prompt lookup: drafts per step")
-    prompt_lookup_min: int = Field(2, gt=0, description="prompt lookup: the shortest n-gram matched")
-    prompt_lookup_max: int = Field(4, gt=0, description="prompt lookup: the longest n-gram, tried first")
     enable_lora: bool = Field(False, description="serve LoRA adapters (vLLM's --enable-lora): the app gets a "
                               "LoraStore; lora_modules turns it on")
     lora_modules: str | None = Field(None, description="PEFT LoRA adapter directories served by name, "
                                      "'name=DIR,name2=DIR2' (vLLM's form); each name is a model id on /v1")
     max_loras: int = Field(8, gt=0, description="LoRA adapters each P, D or colocated replica keeps (least "
                            "recently used forgotten first)")
-    max_lora_rank: int = Field(16, gt=0, description="the largest LoRA rank an adapter may have")
     max_lora_tasks: int = Field(64, gt=0, description="/infer_token: TensorRT-LLM task ids the app keeps the "
                                 "adapter of; past them the oldest is forgotten and its id alone is refused")
     max_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get a 413")
@@ -156,17 +133,10 @@ class AppArgs(BaseModel):
         return args
 
     @model_validator(mode="after")
-    def _check(self) -> "AppArgs":
+    def _check(self) -> "_AppArgs":
         for field in ("model", "prefill_model", "decode_model"):
             setattr(self, field, _absolute_if_local(getattr(self, field)))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}")
-        if self.batch_invariant and self.attention_backend == "torch_sdpa":
-            raise ValueError("batch_invariant: needs the cpu_paged attention, not torch_sdpa")
-        if self.prompt_lookup_max < self.prompt_lookup_min:
-            raise ValueError("prompt_lookup_max: must be >= prompt_lookup_min")
+        self.engine_config()  # the engine's own checks of its settings (engine/config.py), each naming its field
         if self.lora_directories:  # a malformed lora_modules stops the build here
             self.enable_lora = True
         return self
@@ -195,16 +165,23 @@ class AppArgs(BaseModel):
         return self.stall_timeout_s / 4
 
     def engine_config(self, model: str | None = None) -> EngineConfig:
-        return EngineConfig(
-            model=model or self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
-            num_blocks=self.num_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            max_iter_times=self.max_iter_times, torch_threads=self.torch_threads,
-            enable_prefix_caching=self.enable_prefix_caching, max_draft_tokens=self.max_draft_tokens,
-            attention_backend=self.attention_backend, batch_invariant=self.batch_invariant,
-            prompt_lookup=self.prompt_lookup, num_speculative_tokens=self.num_speculative_tokens,
-            prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
-            max_lora_rank=self.max_lora_rank)
+        """The engine settings of ``model`` (default: the app's): every engine setting the app takes."""
+        return EngineConfig(model=model or self.model, **{spec.name: getattr(self, spec.name) for spec in app_settings()})
+
+
+def _engine_arguments() -> dict:
+    """AppArgs' engine settings, made from EngineConfig's fields (engine/config.py owns each one's
+    type, default, description and bounds)."""
+    types = typing.get_type_hints(EngineConfig)
+    arguments = {}
+    for spec in app_settings():
+        bounds = {key: spec.metadata[key] for key in ("ge", "gt") if spec.metadata[key] is not None}
+        arguments[spec.name] = (types[spec.name], Field(spec.default, description=spec.metadata["doc"], **bounds))
+    return arguments
+
+
+# The application's arguments: its own (above) and every engine setting an app may set.
+AppArgs = create_model("AppArgs", __base__=_AppArgs, __module__=__name__, **_engine_arguments())
 
 
 def _absolute_if_local(model: str | None) -> str | None:

@@ -101,3 +101,28 @@ def test_finish_reason_style_on_v1(style, expected):
     reasons = [front.finish_reason(RequestOutput("r", [], "", 1, True, reason, 1))
                for reason in ("eos_token", "stop_sequence", "length")]
     assert reasons == expected
+
+
+def test_the_engine_settings_among_the_app_arguments_are_the_engines_own():
+    """engine/config.py owns each engine setting: AppArgs takes every one an app may set, with its
+    default, description and bounds, passes it to the engine, and the engine's checks name it."""
+    from dataclasses import fields
+
+    from deployments.config import AppArgs
+    from engine.config import EngineConfig, app_settings
+
+    settings = {spec.name: spec for spec in app_settings()}
+    assert set(settings) == {f.name for f in fields(EngineConfig)} - {"model", "default_timeout_s",
+                                                                     "first_token_from_prefill"}
+    for name, spec in settings.items():
+        argument = AppArgs.model_fields[name]
+        assert (argument.default, argument.description) == (spec.default, spec.metadata["doc"]), name
+    given = {"quantization": "int8", "block_size": 32, "enforce_eager": True, "top_k_guess": 8}
+    engine = AppArgs(**given).engine_config()
+    assert {name: getattr(engine, name) for name in given} == given
+    with pytest.raises(pydantic.ValidationError, match="max_num_seqs"):
+        AppArgs(max_num_seqs=0)
+    with pytest.raises(pydantic.ValidationError, match="quantization: must be one of"):
+        AppArgs(quantization="int3")
+    with pytest.raises(pydantic.ValidationError, match="prompt_lookup_max: must be >= prompt_lookup_min"):
+        AppArgs(prompt_lookup_min=4, prompt_lookup_max=2)

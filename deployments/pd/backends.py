@@ -142,31 +142,30 @@ class PDBackend:
             async for batch in batches:
                 yield batch
 
-    async def prefill_only(self, request: GenerationRequest, trace: RequestTrace | None = None,
-                           counted: bool = True) -> AsyncIterator[list[RequestOutput]]:
+    def prefill_only(self, request: GenerationRequest, trace: RequestTrace | None = None,
+                     counted: bool = True) -> AsyncIterator[list[RequestOutput]]:
         """No D replica answers: P serves the whole request (its engine decodes too), counted as a
         ``prefill_only`` decision; NoDecodeReplica instead with degradation off."""
         if not self.degrade_to_prefill:
             raise NoDecodeReplica(f"{self.watch.why_down()} and pd_degrade_to_prefill is off")
-        if counted:
-            self.decisions["prefill_only", NO_DECODE_REPLICA] += 1
-        call = self.prefill.options(stream=True, _by_reference=False).generate.remote(request)
-        async with aclosing(_served(call, self.stall_timeout_s, trace)) as batches:
-            async for batch in batches:
-                yield batch
+        return self._whole(self.prefill, ("prefill_only", NO_DECODE_REPLICA) if counted else None, request, trace)
 
-    async def decode_only(self, request: GenerationRequest, trace: RequestTrace | None = None,
-                          counted: bool = True) -> AsyncIterator[list[RequestOutput]]:
-        """No P replica answers: D serves the whole request (its local prefill), counted as a
-        ``decode_only`` decision; NoPrefillReplica instead with degradation off."""
+    def decode_only(self, request: GenerationRequest, trace: RequestTrace | None = None,
+                    counted: bool = True) -> AsyncIterator[list[RequestOutput]]:
+        """No P replica answers: D serves the whole request (its local prefill, on any D), counted as
+        a ``decode_only`` decision; NoPrefillReplica instead with degradation off."""
         if not self.degrade_to_decode:
             raise NoPrefillReplica(f"{NO_PREFILL_ANSWER} and pd_degrade_to_decode is off")
-        if counted:
-            self.decisions["decode_only", NO_PREFILL_REPLICA] += 1
-        call = self.decode.options(stream=True, _by_reference=False).generate.remote(request)
-        async with aclosing(_served(call, self.stall_timeout_s, trace)) as batches:
-            async for batch in batches:
-                yield batch
+        return self._whole(self.decode, ("decode_only", NO_PREFILL_REPLICA) if counted else None, request, trace)
+
+    def _whole(self, handle: DeploymentHandle, decision: tuple[str, str] | None, request: GenerationRequest,
+               trace: RequestTrace | None) -> AsyncIterator[list[RequestOutput]]:
+        """The output batches of ``handle``'s engine serving the whole request; ``decision`` (where,
+        why) counted unless None."""
+        if decision is not None:
+            self.decisions[decision] += 1
+        call = handle.options(stream=True, _by_reference=False).generate.remote(request)
+        return _served(call, self.stall_timeout_s, trace)
 
     async def prefill_step(self, request: GenerationRequest, kv_export_start: int = 0) -> PrefillReply:
         """P's reply, with the handle to its KV (owned here) from token ``kv_export_start`` on,
