@@ -150,6 +150,25 @@ def streams_running(url: str):
             fault_done.set()
 
 
+def test_the_engine_figures_on_metrics_are_every_replicas_summed(base_url):
+    """/metrics' engine figures of D (two replicas here) are the sum of what each replica says,
+    read directly, once requests have ended on both (bounded: requests until both have some)."""
+    def ended_by_replica() -> list[int]:
+        return [sum(call_replica(name, "stats").finished_by_reason.values()) for name in sorted(decode_replicas())]
+
+    for i in range(40):
+        if all(ended_by_replica()):
+            break
+        reference_text(base_url, "/infer_token", {"input_id": [1, 300 + i, 301, 302],
+                                                  "parameters": {"max_new_tokens": 2, "ignore_eos": True}})
+    ended = ended_by_replica()
+    assert len(ended) == DECODE_REPLICAS and all(ended), ended  # each replica's count differs from the sum
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    samples = re.findall(r'^pdserve_engine_requests_finished\{deployment="DecodeServer",reason="[^"]+"\} (\S+)$', text,
+                         re.MULTILINE)
+    assert sum(map(float, samples)) == sum(ended) == work_done("DecodeServer", "pd")["finished"]
+
+
 @pytest.mark.slow
 def test_decode_replica_killed_mid_stream_every_stream_completes(base_url):
     before_kill = migrations(base_url)

@@ -9,19 +9,22 @@ hits (tokens, as vLLM counts them), speculative decoding's drafts and accepted t
 vLLM names them), requests ended by finish reason, and KV bytes moved from P to D; and, in PD,
 where each prompt was computed and why (``prefill_only``: P served it whole, no D answering;
 ``decode_only``: D did, no P answering), how many D and P replicas answer, and whose its tokens were.
-Deployment figures come from the replica a handle call reaches (one per deployment per
-scrape).
+Deployment figures are the sum over the deployment's replicas, each asked at each scrape (a
+replica that does not answer within ``STATS_TIMEOUT_S`` is left out of that scrape).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import fields
 import time
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from deployments.ingress.health import app_deployments
+from deployments.pd import routing
+from engine.async_engine import EngineStats
 from deployments.ingress.tracing import RequestTrace
 
 STATUS_TIMEOUT_S = 5.0  # Serve's status, read at each scrape for the replica counts
@@ -112,6 +115,34 @@ METRICS = (
 )
 
 
+async def deployment_stats(handle, deployment: str) -> EngineStats:
+    """The engine stats of ``deployment``'s replicas summed (counts and the dicts' counts added): each
+    replica this process routes to asked pinned, each answer counted once by the replica id it names
+    (a pinned call to a replica gone reaches another). Raises when none answers in time."""
+    running = sorted(routing.routed_replicas(deployment) or ()) or [None]  # None: any, before routing learnt them
+    answers = await asyncio.gather(*(asyncio.wait_for(handle.replica_stats.remote(pinned=r), STATS_TIMEOUT_S)
+                                     for r in running), return_exceptions=True)
+    by_replica = dict(a for a in answers if not isinstance(a, BaseException))
+    if not by_replica:
+        raise next(a for a in answers if isinstance(a, BaseException))
+    return EngineStats(**{spec.name: _summed([getattr(s, spec.name) for s in by_replica.values()])
+                          for spec in fields(EngineStats)})
+
+
+def _summed(values: list):
+    """One EngineStats field over the replicas: counts added, dicts added key by key (zeros kept: a
+    gauge set to 0), a string (the dtype) the first replica's."""
+    if isinstance(values[0], str):
+        return values[0]
+    if isinstance(values[0], dict):
+        merged = {}
+        for value in values:
+            for key, count in value.items():
+                merged[key] = merged.get(key, 0) + count
+        return merged
+    return sum(values)
+
+
 class IngressMetrics:
     """The metrics of METRICS, each an attribute by its ``attr``, in one registry."""
 
@@ -142,8 +173,7 @@ class IngressMetrics:
         then the text exposition."""
         handles = backend.handles
         names = list(handles)
-        stats = await asyncio.gather(*(asyncio.wait_for(handles[n].stats.remote(), STATS_TIMEOUT_S) for n in names),
-                                     return_exceptions=True)
+        stats = await asyncio.gather(*(deployment_stats(handles[n], n) for n in names), return_exceptions=True)
         for name, s in zip(names, stats):
             if isinstance(s, BaseException):
                 continue

@@ -28,7 +28,7 @@ from deployments.replicas.output_channels import ChannelSender
 from deployments.replicas.lora_store import LoraCache
 from deployments.pd.routing import STATS_PERIOD_S, EngineRouter
 from deployments.ingress.tracing import KVTransfer
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineStats
 from engine.config import EngineConfig
 from engine.model_info import ModelInfo
 from engine.outputs import KVWanted, RequestOutput
@@ -54,6 +54,11 @@ class _EngineServer:
 
     def stats(self):
         return self.engine.stats()
+
+    def replica_stats(self, pinned: str | None = None) -> tuple[str, EngineStats]:
+        """This replica's id and engine stats: the ingress's /metrics asks each replica, ``pinned``
+        to it (deployments/ingress/metrics.py), and sums them per deployment."""
+        return replica_id(), self.engine.stats()
 
     def holdings(self) -> dict[str, int]:
         """What this replica holds for requests: KV blocks, prefix holds, requests in the engine
