@@ -380,6 +380,70 @@ def test_no_prefill_replica_answering_d_serves_alone_then_pd_comes_back(base_url
     assert_nothing_held(["PrefillServer", "DecodeServer"], "pd", 120)
 
 
+def kv_fetches_failed(url: str, cause: str) -> float:
+    return pd_metric(url, "pdserve_kv_transfers_failed", f'cause="{cause}"')
+
+
+@contextlib.contextmanager
+def kv_fetches_hung():
+    """Every D replica's next KV fetch hangs (its fault hook: a stuck link); disarmed on the way out."""
+    names = sorted(decode_replicas())
+    for name in names:
+        call_replica(name, "hang_next_fetch", 3600.0)
+    try:
+        yield
+    finally:
+        for name in names:
+            call_replica(name, "hang_next_fetch", 0.0)
+
+
+def fetch_held(url: str) -> bool:
+    """A KV fetch is in flight on a D replica (read from each replica), and /metrics shows one."""
+    held = sum(call_replica(name, "kv_transfers")["in_flight"] for name in sorted(decode_replicas()))
+    return held >= 1 and pd_metric(url, "pdserve_kv_transfers_in_flight") >= 1
+
+
+@pytest.mark.slow
+def test_a_kv_fetch_that_never_ends_is_cut_at_its_deadline_and_the_request_completes(base_url):
+    """D's fetch of P's KV hangs (issue 55 item 4): /metrics shows it in flight while held; it is
+    cut kv_lease_s after its start (counted under cause="deadline"), the request moves, through P
+    again, and completes with the text the same request gives without the fault; nothing is held after."""
+    path = "/infer_token"
+    body = {"input_id": [1, 500, 501, 502],
+            "parameters": {"max_new_tokens": 8, "ignore_eos": True, "do_sample": False, "details": True}}
+    cut_before, migrated_before = kv_fetches_failed(base_url, "deadline"), migrations(base_url)
+    with kv_fetches_hung(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, f"{base_url}{path}", json=body, timeout=120)
+        assert wait_until(lambda: fetch_held(base_url), 60, 0.1)  # the fault happened: a fetch is held
+        answer = answer.result()
+    assert answer.status_code == 200 and answer.json()["details"]["generated_tokens"] == 8, answer.text
+    assert wait_until(lambda: kv_fetches_failed(base_url, "deadline") > cut_before, 30, 0.2)  # as the probes say
+    assert migrations(base_url) > migrated_before
+    assert answer.json()["generated_text"] == reference_text(base_url, path, body)
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pd", 120)
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_while_its_kv_fetch_is_in_flight_cancels_it_and_leaves_nothing_held(base_url):
+    """D's fetch hangs with the request's first token already streamed; the client leaves: the fetch
+    is cancelled (counted under cause="cancelled"), no replica holds anything for the request, and
+    the next request is served."""
+    path = "/infer_token"
+    body = {"input_id": [1, 600, 601, 602], "stream": True,
+            "parameters": {"max_new_tokens": 8, "ignore_eos": True, "do_sample": False, "details": True}}
+    cancelled_before = kv_fetches_failed(base_url, "cancelled")
+    with kv_fetches_hung():
+        with httpx.stream("POST", f"{base_url}{path}", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()  # kept: closing it would close the stream
+            next(line for line in lines if line.startswith("data: "))  # P's first token
+            assert wait_until(lambda: fetch_held(base_url), 60, 0.1)  # D is fetching the KV, held
+        # the client has gone, the fetch still held
+        assert wait_until(lambda: kv_fetches_failed(base_url, "cancelled") > cancelled_before, 60, 0.2)
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pd", 120)
+    eventually_ok(base_url)
+
+
 @pytest.mark.slow
 def test_the_one_colocated_replica_killed_mid_stream_the_stream_waits_and_completes(base_url):
     path, body = bodies(True)[3]  # MindIE, seeded sampling
