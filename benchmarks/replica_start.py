@@ -19,7 +19,7 @@ finds). Each phase is measured where it is a process's own cost:
   and for each replica, from Serve's logs, its process start and imports (the controller's "Starting
   Replica" to the replica's "Started initializing replica") and its constructor (to "Finished
   initializing"), and the CPU seconds its process had used when the app ran; then the CPU seconds of
-  Ray's and Serve's own processes.
+  Ray's and Serve's own processes, and the way out: the app's delete, ``serve.shutdown``, ``ray.shutdown``.
 
 On a 2-core box the replicas start side by side and share both cores, so each replica's wall time is
 about its CPU time times the replicas starting at once; the CPU seconds are the phases' real cost.
@@ -150,9 +150,16 @@ def served(embeddings: bool) -> dict:
         pids = {p.pid for p in processes.values()}
         result["Ray's and Serve's own processes, CPU s"] = sum(
             _cpu(p) for p in own.children(recursive=True) if p.pid not in pids)
+        started = time.perf_counter()
+        serve.delete("pd")  # what a module's way out does on the suite's shared Ray (tests/serving.py)
+        result["serve.delete of the app"] = time.perf_counter() - started
     finally:
+        started = time.perf_counter()
         serve.shutdown()
+        result["serve.shutdown"] = time.perf_counter() - started
+        started = time.perf_counter()
         ray.shutdown()
+        result["ray.shutdown"] = time.perf_counter() - started
     return result
 
 
