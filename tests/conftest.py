@@ -8,6 +8,9 @@ import tempfile
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.bytecode import keep_compiled_modules  # noqa: E402
+
+keep_compiled_modules()  # before the imports below: each process the suite starts would compile them again
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Every engine the suite starts, in this process or in Ray's workers (they inherit it), is

@@ -58,7 +58,7 @@ def serve_session(num_cpus: int | None = None, address: str | None = None):
     try:
         yield _start_ray_and_serve(num_cpus or 8, address)
     finally:
-        _stop_ray_and_serve()
+        _stop_ray_and_serve(ours=address is None)
 
 
 def deploy(apps: dict, route_prefixes: dict[str, str] | None = None, together: bool = True) -> None:
@@ -211,7 +211,7 @@ def _start_ray_and_serve(num_cpus: int, address: str | None) -> str:
     try:
         return _start_proxy()
     except BaseException:
-        _stop_ray_and_serve()
+        _stop_ray_and_serve(ours=address is None)
         raise
 
 
@@ -232,12 +232,17 @@ def _start_proxy() -> str:
     raise AssertionError("the last attempt returns or raises")
 
 
-def _stop_ray_and_serve() -> None:
+def _stop_ray_and_serve(ours: bool = True) -> None:
+    """Disconnect from Ray. A local Ray this process started (``ours``) ends with every process of
+    it, Serve's included (~1.5 s); ``serve.shutdown`` first would wait for each replica's graceful
+    stop (~23 s with a replica Serve could not place, benchmarks/RESULTS.md issue 53 session 2).
+    On a cluster of another's, Serve is shut down first: the cluster goes on."""
     import ray
     from ray import serve
 
-    serve.shutdown()
-    ray.shutdown()
+    if not ours:
+        serve.shutdown()
+    ray.shutdown()  # Serve's cached client of this Ray is dropped by the next session's first Serve call
 
 
 # What a client must never see: Ray's names and texts, process ids, addresses, tracebacks.

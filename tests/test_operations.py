@@ -44,11 +44,11 @@ def base_url():
     try:
         with serve_session(num_cpus=2) as url:
             # The default PD app (P and D: one CPU each) and the embedder, on 2 CPUs: it must place.
-            deploy({"pd": pd_app({"torch_threads": 1, "traces_exporter": "console", "pd_local_prefill_tokens": 0})})
+            pd = pd_app({"torch_threads": 1, "traces_exporter": "console", "pd_local_prefill_tokens": 0})
             # D cannot hold the canary's 32-token prompt: one KV block of 16 tokens.
             smalld = custom_pd({"torch_threads": 1, "embeddings": False, "pd_local_prefill_tokens": 0},
                                {"num_blocks": 1}, 0)
-            deploy({"smalld": smalld})
+            deploy({"pd": pd, "smalld": smalld})  # together: smalld takes no CPU, pd's placement is the same
             # D asks for more CPUs than the cluster has: never placed.
             serve._run(custom_pd({"torch_threads": 1, "embeddings": False}, {}, 8), name="unplaced",
                        route_prefix="/unplaced", _blocking=False)

@@ -27,7 +27,8 @@ def running_replicas(deployment: str) -> int:
 
 def test_decode_scales_out_and_back():
     with serve_session() as url:
-        app = pd_app({"torch_threads": 1, "pd_local_prefill_tokens": 0},
+        # no embedder: nothing here embeds, a replica fewer to start
+        app = pd_app({"torch_threads": 1, "pd_local_prefill_tokens": 0, "embeddings": False},
                            decode_options={"autoscaling_config": AUTOSCALING, "ray_actor_options": {"num_cpus": 1}})
         deploy({"pd": app})
         assert running_replicas("DecodeServer") == 1
