@@ -47,6 +47,7 @@ namespace {
 
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML's type numbers
 constexpr int kRows = 4;                         // weight rows per pass over q
+constexpr int kPrefetchRows = 2 * kRows;         // software prefetch distance, in rows (the hardware's lags on 4 streams)
 constexpr int kMaxBlockBytes = 34;
 const uint8_t kZeroBlock[kMaxBlockBytes] = {};   // the pad block of a row with an odd block count: w = 0, d = 0
 
@@ -294,6 +295,9 @@ void dot_rows(const uint8_t* first, int64_t row_bytes, int64_t real_blocks, cons
     for (int r = 0; r < R; ++r) {
       const uint8_t* a = first + r * row_bytes + 2 * pair * bytes;
       const uint8_t* b = padded ? kZeroBlock : a + bytes;
+#if defined(PDSERVE_GEMV_512) || defined(PDSERVE_GEMV_256)
+      _mm_prefetch(reinterpret_cast<const char*>(a + kPrefetchRows * row_bytes), _MM_HINT_T0);  // the next tiles'
+#endif
       const auto products = header_products(a, b, scales);
       acc[r] = pair_fma<T>(pair_lanes<T>(a, b, x, pair), products, acc[r]);
       if constexpr (T == kQ4_1) mins[r].add(products);
