@@ -18,6 +18,7 @@ import pytest
 from safetensors.numpy import load_file
 import torch
 
+from engine.cli import main as cli_main
 from engine.config import EngineConfig
 from engine.execution.quant import kernels
 from engine.execution.quant.int8 import int8_blocks
@@ -200,3 +201,11 @@ def test_float64_serves_a_gguf_dequantized(tmp_path, caplog):
         engine = LLMEngine(EngineConfig(model=str(path), dtype="float64", kv_cache_memory_gb=0.05))
     assert engine.loaded.weight_storage == "float64"
     assert "serving its weights dequantized" in caplog.text
+
+
+def test_pdserve_generate_takes_the_quantization_setting(tmp_path, capsys):
+    path = write_tiny_gguf(tmp_path / "tiny.Q8_0.gguf", Q.Q8_0)
+    args = ["generate", "hello", "--model", str(path), "--dtype", "float32", "--max-new-tokens", "2"]
+    assert cli_main(args + ["--quantization", "dequantize"]) == 0
+    assert cli_main(args + ["--quantization", "int8"]) == 2
+    assert "quantization: int8 is for Hugging Face checkpoints" in capsys.readouterr().err
