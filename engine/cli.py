@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                      help="output independent of batching and chunking (docs/sampling.md); "
                           "default: on on the CPU, but in bf16/fp16 on AMX or AVX512-BF16 CPUs (docs/sampling.md)")
+    gen.add_argument("--quantization", default=None, choices=["dequantize", "int8"],
+                     help="unset: a .gguf keeps its quantized types; dequantize: every weight in --dtype; "
+                          "int8: a Hugging Face checkpoint's linear weights as int8 (docs/serving.md)")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -68,7 +71,7 @@ def _generate(args: argparse.Namespace) -> int:
         engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                         enable_prefix_caching=not args.no_prefix_caching,
                                         attention_backend=args.attention_backend,
-                                        batch_invariant=args.batch_invariant))
+                                        batch_invariant=args.batch_invariant, quantization=args.quantization))
         prompt_ids = engine.tokenizer.encode(args.prompt)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
         engine.add_request(GenerationRequest("cli", prompt_ids, params))

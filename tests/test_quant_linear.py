@@ -1,7 +1,9 @@
 """The quantized linear kernels (engine/execution/quant/csrc/quant_linear.cpp) against their reference,
 the gguf package's dequantizer + a torch matmul, per type; each row's bits independent of its batch
 mates and of the threads; every ISA build this CPU runs gives the native build's bits; and the
-modules over them (engine/execution/quant/linear.py)."""
+modules over them (engine/execution/quant/linear.py). The integer matrix-vector kernel
+(csrc/quant_gemv.cpp) the same way, against its reference (the row quantized to int8 per 32, then
+the dequantized product) and within the int8 rounding's bound of the float row's product."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from engine.execution.quant import kernels, reference
 from engine.execution.quant.linear import DEQUANTIZE_ROWS, QuantizedEmbedding, QuantizedLinear
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+GEMV_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+# (N, K) for the integer kernel: the model's maps, an odd block count (K = 544: the last pair padded), N of 1.
+GEMV_SHAPES = [(960, 576), (576, 1536), (37, 544), (1, 32)]
 # (N, K): the head of SmolLM2-135M's maps (qkv, down), and odd N (not a multiple of the 4-column tile).
 SHAPES = [(960, 576), (576, 1536), (37, 512), (5, 256)]
 F16_FIELDS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of each K-quant block's float16 scales
@@ -97,6 +102,63 @@ def test_a_row_has_the_same_bits_in_any_batch_and_thread_count(ext, dtype, quant
         torch.set_num_threads(threads)
 
 
+def gemv(ext, x: torch.Tensor, segments: list[tuple[Q, torch.Tensor]], dtype=torch.float32) -> torch.Tensor:
+    out = torch.empty(1, sum(raw.shape[0] for _, raw in segments), dtype=dtype)
+    ext.quant_gemv(x, [raw for _, raw in segments], [int(t) for t, _ in segments], out)
+    return out
+
+
+@pytest.mark.parametrize("quant_type, n, k", [(t, n, k) for t in GEMV_TYPES for n, k in GEMV_SHAPES])
+def test_integer_gemv_is_the_int8_rows_product(ext, quant_type, n, k):
+    raw = blocks(quant_type, n, k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(n + k)) * 3
+    got = gemv(ext, x, [(quant_type, raw)]).double()
+    expected = reference.gemv(x, raw, quant_type)  # float64 of the int8 row's values
+    assert (got - expected).abs().max() <= 2e-6 * expected.abs().max() * k ** 0.5
+    # Against the float row: no more than the int8 rounding moves it, |x - x'| <= d / 2 per value.
+    weight = reference.dequantize(raw, quant_type).double()
+    rounding = (x.double() - reference.int8_rows(x).double()).abs()  # [1, K]
+    step = x.reshape(-1, 32).abs().amax(1, keepdim=True).double() / 127
+    assert (rounding.reshape(-1, 32) <= step / 2 * (1 + 1e-6)).all()
+    exact = x.double() @ weight.t()
+    assert ((got - exact).abs() <= rounding @ weight.abs().t() + 2e-6 * exact.abs().max() * k ** 0.5).all()
+
+
+def test_integer_gemv_in_bfloat16_rounds_the_float32_result(ext):
+    raw = blocks(Q.Q4_1, 101, 576)
+    x = torch.randn(1, 576).bfloat16()
+    assert torch.equal(gemv(ext, x, [(Q.Q4_1, raw)], torch.bfloat16),
+                       gemv(ext, x, [(Q.Q4_1, raw)]).bfloat16())  # to nearest even, as torch's cast
+    assert torch.equal(gemv(ext, x, [(Q.Q4_1, raw)]), gemv(ext, x.float(), [(Q.Q4_1, raw)]))
+
+
+def test_integer_gemv_segments_fill_their_columns_in_any_thread_count(ext):
+    segments = [(Q.Q8_0, blocks(Q.Q8_0, 67, 544, 1)), (Q.Q4_1, blocks(Q.Q4_1, 130, 544, 2)),
+                (Q.Q4_0, blocks(Q.Q4_0, 9, 544, 3))]
+    x = torch.randn(1, 544)
+    whole = gemv(ext, x, segments)
+    start = 0
+    for quant_type, raw in segments:
+        assert torch.equal(whole[:, start:start + raw.shape[0]], gemv(ext, x, [(quant_type, raw)]))
+        start += raw.shape[0]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gemv(ext, x, segments), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_integer_gemv_refuses_other_types_and_shapes(ext):
+    x = torch.randn(1, 256)
+    with pytest.raises(RuntimeError, match="GGML type 14 has no integer kernel"):
+        gemv(ext, x, [(Q.Q6_K, blocks(Q.Q6_K, 4, 256))])
+    with pytest.raises(RuntimeError, match=r"x \[1, K\]"):
+        gemv(ext, torch.randn(2, 256), [(Q.Q8_0, blocks(Q.Q8_0, 4, 256))])
+    with pytest.raises(RuntimeError, match="K = 256 is not 34 bytes"):
+        gemv(ext, x, [(Q.Q8_0, blocks(Q.Q8_0, 4, 32))])
+
+
 @pytest.mark.parametrize("isa", ["avx2", "plain"])
 def test_each_isa_build_gives_the_native_builds_bits(ext, isa):
     if isa == "avx2" and "avx2" not in cpu_flags():
@@ -108,6 +170,12 @@ def test_each_isa_build_gives_the_native_builds_bits(ext, isa):
         assert torch.equal(run(other, x, raw, quant_type), run(ext, x, raw, quant_type)), quant_type.name
         assert torch.equal(other.dequantize_rows(raw, int(quant_type), 512),
                            ext.dequantize_rows(raw, int(quant_type), 512))
+    for quant_type in GEMV_TYPES:  # the integer kernel: the same integers, the same float32 order
+        for n, k in GEMV_SHAPES:
+            raw = blocks(quant_type, n, k)
+            for x in (torch.randn(1, k) * 5, torch.randn(1, k).bfloat16()):
+                assert torch.equal(gemv(other, x, [(quant_type, raw)]), gemv(ext, x, [(quant_type, raw)])), \
+                    (quant_type.name, n, k, x.dtype)
 
 
 def test_refuses_a_type_without_kernel_and_rows_of_partial_blocks(ext):
@@ -131,6 +199,20 @@ def test_a_linear_of_mixed_segments_and_a_bias(ext):
         assert (layer(x, invariant).double() - expected).abs().max() <= 1e-4 * expected.abs().max()
     x = torch.randn(DEQUANTIZE_ROWS + 5, 256)
     assert torch.equal(layer(x, invariant=True)[4:5], layer(x[4:5]))  # the kernel at every size in invariant mode
+
+
+def test_one_bfloat16_row_takes_the_integer_kernel_outside_invariant_mode(ext):
+    parts = [(Q.Q8_0, blocks(Q.Q8_0, 64, 256)), (Q.Q4_1, blocks(Q.Q4_1, 32, 256, 1))]
+    layer = QuantizedLinear(parts, 256)
+    assert layer.integer_gemv
+    x = torch.randn(4, 256).bfloat16()
+    assert torch.equal(layer(x[1:2]), gemv(ext, x[1:2], parts, torch.bfloat16))
+    batched = layer(x)  # four rows: the bfloat16 kernel's bits, which invariant mode keeps for one row too
+    assert torch.equal(layer(x[1:2], invariant=True), batched[1:2])
+    assert torch.equal(layer(x[1:2].float()), layer(x.float())[1:2])  # float32 rows never take it
+    with_k_quant = QuantizedLinear(parts + [(Q.Q6_K, blocks(Q.Q6_K, 16, 256, 2))], 256)
+    assert not with_k_quant.integer_gemv
+    assert torch.equal(with_k_quant(x[1:2])[:, :96], batched[1:2])
 
 
 def test_an_embedding_looks_up_dequantized_rows_and_is_the_tied_head(ext):

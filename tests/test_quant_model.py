@@ -2,7 +2,8 @@
 gguf writer from tiny-llama's weights (q and k permuted as llama.cpp's converter does; every linear
 quantized but down_proj, whose K = 688 is not whole blocks and stays float32, as llama.cpp's
 converter falls back) loads with the stored types on the kernels, and its greedy tokens match the
-same file served dequantized (float32, the same weight values: only the order of the sums differs).
+same file served dequantized (float32, the same weight values: only the order of the sums differs);
+one bfloat16 stream, on the integer kernel, close to it as vLLM's quantization tests compare.
 ``quantization: int8`` on tiny-llama itself: the same against its weights' int8 values, and refused for a GGUF."""
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import pytest
 from safetensors.numpy import load_file
 import torch
 
+from engine.cli import main as cli_main
 from engine.config import EngineConfig
+from engine.execution.quant import kernels
 from engine.execution.quant.int8 import int8_blocks
 from engine.execution.quant.linear import QuantizedEmbedding, QuantizedLinear
 from engine.execution.quant.reference import dequantize
@@ -128,6 +131,36 @@ def test_greedy_tokens_match_the_dequantized_model(tmp_path, quant_type, caplog)
     assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max()
 
 
+@pytest.mark.parametrize("quant_type", [Q.Q8_0])
+def test_one_bfloat16_stream_takes_the_integer_kernel_and_stays_close(tmp_path, quant_type, monkeypatch):
+    """One stream at a time in bfloat16: every decode step is one row, which takes the integer kernel
+    (int8 activations, counted); its greedy tokens against the file dequantized in float32, compared
+    as vLLM compares a quantized model's (check_logprobs_close): equal up to the first difference,
+    and there each side's token among the other's top 5. Q8_0 only: tiny-llama's logits are nearly
+    flat (top 5 within 0.2 nats), and Q4_1's own weight error already moves its ties past a top 5
+    (Q4_1 on the integer kernel: tests/test_quant_linear.py's bound against the float row)."""
+    path = write_tiny_gguf(tmp_path / f"tiny.{quant_type.name}.gguf", quant_type)
+    stored = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", batch_invariant=False,
+                                    kv_cache_memory_gb=0.05))
+    reference = LLMEngine(EngineConfig(model=str(path), dtype="float32", quantization="dequantize",
+                                       kv_cache_memory_gb=0.05))
+    ext = kernels.build()
+    calls = []
+    monkeypatch.setattr(ext, "quant_gemv", lambda *args, gemv=ext.quant_gemv: calls.append(1) or gemv(*args))
+    rng = np.random.default_rng(2)
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5)
+    for i, length in enumerate(rng.integers(4, 40, 6)):
+        prompt = rng.integers(3, 891, int(length)).tolist()
+        ours, theirs = (engine.generate([GenerationRequest(f"s{i}", prompt, params)])[f"s{i}"]
+                        for engine in (stored, reference))
+        for mine, other in zip(ours.logprobs, theirs.logprobs):
+            if mine.token_id != other.token_id:
+                assert mine.token_id in [token for token, _ in other.top], (i, ours.output_token_ids)
+                assert other.token_id in [token for token, _ in mine.top], (i, theirs.output_token_ids)
+                break
+    assert len(calls) >= 6 * 31  # each request's 31 decode steps, each at least once
+
+
 def test_int8_quantizes_a_hugging_face_checkpoint_and_keeps_its_greedy_tokens():
     """Against the same checkpoint with each int8 weight's dequantized values in float32 (the
     quantization's own error is the gguf package's Q8_0, |w - w'| <= half a block's step)."""
@@ -168,3 +201,11 @@ def test_float64_serves_a_gguf_dequantized(tmp_path, caplog):
         engine = LLMEngine(EngineConfig(model=str(path), dtype="float64", kv_cache_memory_gb=0.05))
     assert engine.loaded.weight_storage == "float64"
     assert "serving its weights dequantized" in caplog.text
+
+
+def test_pdserve_generate_takes_the_quantization_setting(tmp_path, capsys):
+    path = write_tiny_gguf(tmp_path / "tiny.Q8_0.gguf", Q.Q8_0)
+    args = ["generate", "hello", "--model", str(path), "--dtype", "float32", "--max-new-tokens", "2"]
+    assert cli_main(args + ["--quantization", "dequantize"]) == 0
+    assert cli_main(args + ["--quantization", "int8"]) == 2
+    assert "quantization: int8 is for Hugging Face checkpoints" in capsys.readouterr().err

@@ -11,6 +11,10 @@ in any batch), for bfloat16 rows on an AVX512-BF16 CPU (two weights per lane and
 DEQUANTIZE_ROWS rows or in batch-invariant mode. Larger float32 steps outside that mode (prefill
 chunks) dequantize the weight once per call and multiply with torch's GEMM, faster there than the
 kernel's float32 multiply-adds (1.1x at 32 rows, 1.8x at 128; benchmarks/RESULTS.md, issue 57).
+One bfloat16 row (a single stream's decode step) outside batch-invariant mode, over Q4_0 / Q4_1 /
+Q8_0 weights, takes the integer kernel instead (csrc/quant_gemv.cpp: the row quantized to int8 per
+32 values, as llama.cpp does): a row's bits then differ alone and in a batch, which only the
+invariant mode promises. float32 rows never take it: float32 is the exactness dtype.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class QuantizedLinear(nn.Module):
             self.register_buffer(f"raw{i}", raw.contiguous(), persistent=False)  # not in the state dict
             self.sizes.append(raw.shape[0])
         self.in_features, self.out_features = in_features, sum(self.sizes)
+        self.type_numbers = [int(quant_type) for quant_type in self.types]
+        self.integer_gemv = all(quant_type in kernels.INTEGER_GEMV_TYPES for quant_type in self.types)
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
 
     def raws(self) -> list[torch.Tensor]:
@@ -63,6 +69,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [M, in] -> [M, out] in x's dtype, summed in float32."""
         ext = kernels.build()
+        if x.dtype == torch.bfloat16 and x.shape[0] == 1 and self.integer_gemv and not invariant:
+            out = x.new_empty(1, self.out_features)  # [1, out] bfloat16, written by the kernel
+            ext.quant_gemv(x.contiguous(), self.raws(), self.type_numbers, out)
+            return out + self.bias if self.bias is not None else out
         if x.dtype == torch.bfloat16 and ext.has_bf16_dot():
             rows = x.contiguous()  # the kernel multiplies bfloat16 rows as they are
         else:

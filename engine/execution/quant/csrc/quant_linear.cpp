@@ -4,6 +4,7 @@
 //   quant_linear(x, raw, type, K, out):  out[M, N] = x[M, K] (float32) @ W^T, W [N, K] held as raw
 //       [N, row bytes] GGUF blocks of `type` (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)
 //   dequantize_rows(raw, type, K):       float32 [R, K] of raw [R, row bytes] (the embedding's rows)
+//   quant_gemv(x, raws, types, out):     one row in integer arithmetic (quant_gemv.cpp, bound here)
 //
 // Each 32 weights are decoded from their block into float32 (the gguf package's operations in its
 // order, so dequantize_rows gives its bits; built with -ffp-contract=off) and multiplied into
@@ -400,7 +401,11 @@ torch::Tensor dequantize_rows(const torch::Tensor& raw, int64_t type, int64_t K)
   return out;
 }
 
+void quant_gemv(const torch::Tensor& x, const std::vector<torch::Tensor>& raws, const std::vector<int64_t>& types,
+                torch::Tensor out);  // quant_gemv.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_gemv", &quant_gemv, "out[1, N] = x[1, K] @ W^T, x quantized to int8 per 32 (Q4_0, Q4_1, Q8_0 segments)");
   m.def("quant_linear", &quant_linear, "out[M, N] = x[M, K] @ dequantized(raw)^T, float32 (GGUF blocks)");
   m.def("has_bf16_dot", &has_bf16_dot, "whether quant_linear takes bfloat16 x (AVX512-BF16 build)");
   m.def("dequantize_rows", &dequantize_rows, "raw [R, row bytes] GGUF blocks -> float32 [R, K]");
