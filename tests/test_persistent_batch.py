@@ -7,6 +7,7 @@ sampling and stop controls and LoRA adapters. Then the engine on a tiny model: t
 after each of its steps, over n choices, beams, stop ids and preemption.
 """
 
+import copy
 import random
 import time
 
@@ -45,6 +46,12 @@ def assert_matches_rebuild(rows: PersistentBatch, running: list[Sequence]) -> No
     assert all(rows.seqs[slot] is None for slot in range(rows.capacity) if slot not in taken)
 
 
+def scheduled(batch: ScheduledBatch) -> tuple:
+    """What a schedule decided, by sequence key (two schedulers' sequences are copies)."""
+    return ([(seq.key, n) for seq, n in batch.entries], batch.block_copies, [seq.key for seq in batch.preempted],
+            batch.drafted, batch.sampling, batch.decode_only, batch.slots.tolist())
+
+
 def random_params(rng: random.Random) -> SamplingParams:
     return SamplingParams(max_new_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.7, 1.0]),
                           top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.1]),
@@ -74,14 +81,22 @@ def test_arrays_equal_a_rebuild_after_random_changes(seed):
         seq.decode_side = rng.random() < 0.3
         return seq
 
-    forks = 0
+    forks = fast_steps = 0
     for _ in range(120):
         action = rng.choice(["join", "join", "step", "step", "step", "finish", "abort", "preempt", "fork"])
         running = list(scheduler.running)
         if action == "join":
             scheduler.add(new_sequence())
         elif action == "step":  # block appends, joins (admission) and preemption happen in here
+            assert blocks.covered(rows.tables[[s.row for s in running]], rows.table_len[[s.row for s in running]],
+                                  rows.num_computed[[s.row for s in running]] + 1).tolist() == [
+                blocks.covers(s, s.num_computed_tokens + 1) for s in running]
+            per_row = copy.deepcopy(scheduler)
+            per_row._all_decode = lambda ordered, budget: None  # the loop over rows, as the reference
+            ordered = sorted(running, key=lambda s: s.order_key)
+            fast_steps += scheduler._all_decode(ordered, scheduler.max_num_batched_tokens) is not None
             batch = scheduler.schedule()
+            assert scheduled(batch) == scheduled(per_row.schedule())
             assert batch.slots.tolist() == [seq.row for seq, _ in batch.entries]
             scheduler.commit(batch)
             for (seq, _), due in zip(batch.entries, batch.sampling):
@@ -102,6 +117,7 @@ def test_arrays_equal_a_rebuild_after_random_changes(seed):
             rows.write_token(child)
         assert_matches_rebuild(rows, scheduler.running)
     assert rows.capacity > 2
+    assert fast_steps >= 3, "the random changes were meant to reach steps of decodes only"
 
 
 def test_decode_step_gathers_equal_the_sequences():
