@@ -217,9 +217,10 @@ class OutputProcessor:
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob],
                 finished: bool, logits: np.ndarray | None = None) -> RequestOutput:
         wants_logprobs = seq.params.logprobs is not None
-        first_token = bool(tokens) and seq.num_output_tokens == 1
+        num_output = seq.num_output_tokens
+        first_token = bool(tokens) and num_output == 1
         return RequestOutput(
-            request_id=seq.request_id, new_token_ids=tokens, new_text=text, num_output_tokens=seq.num_output_tokens,
+            request_id=seq.request_id, new_token_ids=tokens, new_text=text, num_output_tokens=num_output,
             finished=finished, finish_reason=seq.finish_reason, seed=seq.seed, logprobs=logprobs,
             cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
             first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
