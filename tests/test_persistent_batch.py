@@ -188,3 +188,49 @@ def test_a_resumed_prefill_whose_context_ends_in_one_uncached_token_hands_over()
     out = engine.prefill([resumed])["resumed"]
     assert not out.finished and out.prefill is not None and out.new_token_ids == [first[5]]
     assert engine.blocks.counts().held == 0  # P keeps nothing
+
+
+def streams(engine: LLMEngine, requests: list[GenerationRequest]) -> list[tuple]:
+    """Every output of ``requests`` run together, in order, less the clock's fields."""
+    for request in requests:
+        engine.add_request(request)
+    outputs = []
+    while engine.has_work():
+        for out in engine.step():
+            outputs.append((out.request_id, out.index, out.new_token_ids, out.new_text, out.finished,
+                            out.finish_reason, out.num_output_tokens, out.cumulative_logprob,
+                            [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs], out.output_token_ids, out.text))
+    return outputs
+
+
+def test_decode_steps_from_the_columns_give_the_per_row_outputs():
+    """The same requests through the column paths (the all-decode schedule, append_decoded) and
+    through the per-row ones: every output equal, token, text piece, logprobs and end alike,
+    with EOS, stop ids, stop strings (cut, kept) and length caps among the ends."""
+    config = EngineConfig(model="tiny-llama", block_size=4, num_blocks=256, max_num_seqs=16)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    end_id = LLMEngine(config).generate([GenerationRequest("q0", list(range(30, 42)), greedy)])["q0"].output_token_ids[5]
+    specs = [SamplingParams(max_new_tokens=24, temperature=0.0, eos_token_id=end_id),  # ends at its 6th token
+             SamplingParams(max_new_tokens=24, temperature=0.9, seed=5, logprobs=2),
+             SamplingParams(max_new_tokens=24, temperature=1.0, seed=7, stop=["e", "an"]),
+             SamplingParams(max_new_tokens=24, temperature=1.0, seed=8, stop=[" "], include_stop_str_in_output=True),
+             SamplingParams(max_new_tokens=24, temperature=1.0, seed=9, stop_token_ids=[[13], [29], [31]]),
+             SamplingParams(max_new_tokens=6, temperature=1.0, seed=10, ignore_eos=True, logprobs=0)]
+    runs = []
+    for per_row in (False, True):
+        engine = LLMEngine(config)
+        columns = engine._from_columns
+        used = []
+        if per_row:
+            engine._from_columns = lambda batch: False
+            engine.scheduler._all_decode = lambda ordered, budget: None
+        else:
+            engine._from_columns = lambda batch: used.append(columns(batch)) or used[-1]
+        requests = [GenerationRequest(f"q{k}", list(range(30 + k, 42 + 2 * k)), params)
+                    for k, params in enumerate(specs * 2)]
+        runs.append(streams(engine, requests))
+        if not per_row:
+            assert sum(used) >= 5, "the column path was meant to run most decode steps"
+    assert runs[0] == runs[1]
+    ends = {out[5] for out in runs[0] if out[4]}
+    assert {"eos_token", "stop_sequence", "length"} <= ends, ends
