@@ -8,8 +8,10 @@ the sampler's batch, output processing and detokenization. Greedy, EOS ignored, 
 benchmark's settings otherwise (max_num_seqs 256).
 
 It reports, per batch size, ms per decode step and, from the two sizes, the cost of one more
-row (µs per row per step: the slope, free of the step's fixed cost), then a cProfile of decode
-steps at the largest size grouped by where the time goes. It also times the CUDA graph's input
+row (µs per row per step: the slope, free of the step's fixed cost); per phase, the CPU time of
+decode steps at the largest size, unprofiled (the model forward and LM head apart: on this
+proxy they are the attention kernel's math over 512-token contexts, not host work); then a
+cProfile of decode steps at that size grouped by where the time goes. It also times the CUDA graph's input
 staging alone (``engine/execution/cuda_graphs.py``'s host side, which needs no GPU).
 
     python benchmarks/host_overhead.py [--rows 64 256] [--steps 48] [--prompt 512] [--repeats 3]
@@ -123,6 +125,52 @@ def profile(llm: LLMEngine, rows: int, prompt: int, steps: int) -> tuple[list[tu
     return [(name, 1e3 * t / steps) for name, t in totals.items()], text.getvalue()
 
 
+# (object path from the engine, method, label): each method's process CPU time is summed per step.
+PHASES = [
+    ("scheduler", "schedule", "scheduler.schedule"),
+    ("runner", "run", "runner.run (inputs, forward, sampler)"),
+    ("loaded.model", "forward", "  model forward"),
+    ("loaded.model", "compute_logits", "  LM head"),
+    ("runner", "_sample_step", "  sampler batch and sampler"),
+    ("scheduler", "commit", "scheduler.commit"),
+    ("", "_postprocess_decode", "outputs (tokens, stops, text, RequestOutput)"),
+]
+
+
+def phases_us(llm: LLMEngine, rows: int, prompt: int, steps: int) -> tuple[float, dict[str, float]]:
+    """µs per row per decode step: in all, and in each of PHASES (their methods timed in place)."""
+    spent: dict[str, float] = {}
+    originals = []
+    for path, name, label in PHASES:
+        owner = llm
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part)
+        method = getattr(owner, name)
+
+        def timed(*args, _method=method, _label=label, **kwargs):
+            start = time.process_time()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                spent[_label] = spent.get(_label, 0.0) + time.process_time() - start
+
+        originals.append((owner, name))
+        setattr(owner, name, timed)
+    add_requests(llm, rows, prompt, new_tokens(llm, rows, prompt, steps), "phase")
+    past_prefill(llm, rows)
+    spent.clear()
+    start = time.process_time()
+    for _ in range(steps):
+        llm.step()
+    total = time.process_time() - start
+    for owner, name in originals:
+        delattr(owner, name)  # the class's method again
+    while llm.has_work():
+        llm.step()
+    scale = 1e6 / (steps * rows)
+    return total * scale, {label: t * scale for label, t in spent.items()}
+
+
 def graph_staging_us(llm: LLMEngine, rows: int, prompt: int, repeats: int = 50) -> float | None:
     """µs per call of the CUDA graph's host-side input staging for a decode step of ``rows``
     rows, on this engine's running sequences (None where this tree has no such function)."""
@@ -174,6 +222,13 @@ def main() -> None:
         staging = graph_staging_us(llm, max(args.rows), args.prompt)
         if staging is not None:
             print(f"CUDA graph input staging (host side), {max(args.rows)} rows: {staging:.0f} µs per step")
+        rows = max(args.rows)
+        total, phases = phases_us(llm, rows, args.prompt, args.steps)
+        forward = phases.get("  model forward", 0.0) + phases.get("  LM head", 0.0)
+        print(f"\nPer phase, {rows} rows, µs per row per step (unprofiled; {total:.1f} in all, "
+              f"{total - forward:.1f} but the model forward and LM head):")
+        for _, _, label in PHASES:
+            print(f"  {label:52s} {phases.get(label, 0.0):6.1f}")
         areas, top = profile(llm, max(args.rows), args.prompt, min(args.steps, 24))
         print(f"\ncProfile, {max(args.rows)} rows, own time per decode step (profiled, so inflated):")
         for name, ms in areas:

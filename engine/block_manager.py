@@ -136,6 +136,15 @@ class BlockManager:
         index, offset = divmod(seq.num_computed_tokens, self.block_size)
         return not offset or index >= len(table) or self.ref_count[table[index]] <= 1
 
+    def covered(self, tables: np.ndarray, lengths: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
+        """``covers`` for a batch of rows: block tables [R, W] (``lengths`` [R] of each in use), each
+        row's computed tokens ``num_tokens - 1`` growing to ``num_tokens`` [R]; [R] bool."""
+        computed = num_tokens - 1
+        index, offset = np.divmod(computed, self.block_size)
+        tails = tables[np.arange(len(tables)), np.minimum(index, tables.shape[1] - 1)].tolist()
+        shared = np.fromiter(map(self.ref_count.__getitem__, tails), dtype=np.int64, count=len(tails)) > 1
+        return (-(-num_tokens // self.block_size) <= lengths) & ((offset == 0) | (index >= lengths) | ~shared)
+
     def can_allocate(self, seq: Sequence, num_tokens: int, computed: list[int] = ()) -> bool:
         return self.blocks_needed(seq, num_tokens, computed) <= self.num_free
 
@@ -188,6 +197,15 @@ class BlockManager:
             if first == i and self.block_key[block] is not None:
                 first += 1
         seq.num_keyed_blocks = first
+
+    def cache_filled_blocks(self, seqs: list[Sequence]) -> None:
+        """``cache_full_blocks`` for each of ``seqs`` whose computed tokens reach past its keyed blocks."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        for seq in seqs:
+            if min(seq.num_computed_tokens, seq.num_tokens) // size > seq.num_keyed_blocks:
+                self.cache_full_blocks(seq)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s hold on its blocks. Keyed ones stay cached, the tail's blocks ahead of

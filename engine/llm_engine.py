@@ -48,7 +48,7 @@ from engine.execution.persistent_batch import PersistentBatch
 from engine.kv_transfer import KVPayload
 from engine.lora_adapter import LoraAdapter, ModelShape
 from engine.output_processor import UNDECIDED, OutputProcessor, sampled_tokens
-from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, PrefillResult, RequestOutput, Sampled, TokenLogprob
+from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, PrefillResult, RequestOutput, Sampled
 from engine.prefix_holds import PrefixHolds
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -247,12 +247,7 @@ class LLMEngine:
         # A row with stop ids the columns do not hold decides its end row by row (UNDECIDED).
         verdicts = [UNDECIDED if own else (None, EOS, STOP, LENGTH)[code]
                     for code, own in zip(codes.tolist(), self.rows.stops_per_row[slots].tolist())]
-        outputs, append = [], self.output_processor.append_token
-        for (seq, _), token, logprob, top, verdict in zip(batch.entries, sampled.token_ids, sampled.logprobs,
-                                                          sampled.top_logprobs, verdicts):
-            chosen = TokenLogprob(token, logprob, top) if logprob is not None else None
-            outputs += append(seq, Sampled(token, chosen, None), verdict)
-        return outputs
+        return self.output_processor.append_decoded([seq for seq, _ in batch.entries], sampled, verdicts)
 
     def _sampled_choices(self, seq: Sequence) -> list[PendingChoice]:
         """The choices whose next token this sequence's last logits give: its own, and at the

@@ -24,7 +24,7 @@ from engine.execution.persistent_batch import PersistentBatch
 from engine.kv_transfer import KVPayload
 from engine.outputs import ABORT, EOS, LENGTH, STOP, ChoiceStart, PrefillResult, RequestOutput, Sampled, TokenLogprob
 from engine.request import Mode, PendingChoice, Sequence
-from sampling import SamplingParams
+from sampling import SamplerOutput, SamplingParams
 from sampling.grammar import GrammarCompiler, GrammarDeadEnd, Matcher, MatcherState
 
 SequenceKey = tuple[str, int]  # (request id, choice index)
@@ -108,27 +108,53 @@ class OutputProcessor:
         ``verdict``: the end the batch's stop columns decided for this token (EOS, STOP, LENGTH or
         None; engine/execution/persistent_batch.py ``stops``), which wrote the token there too;
         a stop string still ends it here. Else decided here, row by row."""
-        token, logprob = sampled.token_id, sampled.logprob
-        seq.token_ids.append(token)
+        token = sampled.token_id
+        logprobs, text, stopped = self._take(seq, token, sampled.logprob)
         if verdict is UNDECIDED:
             self.rows.write_token(seq)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.time()
-        if logprob is not None:
-            seq.cumulative_logprob += logprob.logprob
-        logprobs = [logprob] if logprob else []
-        text, stopped = self.detokenizers[seq.key].add(token)
         try:
             complete = self._grammar_complete(seq)
         except GrammarDeadEnd as error:
             return self.finish(seq, ABORT, [token], text, logprobs, error=str(error), logits=sampled.logits)
         if verdict is UNDECIDED:
             reason = self.finish_reason(seq, token, complete or stopped)
-        else:  # the order of finish_reason: EOS, then a stop (string or id), then a length cap
-            reason = STOP if stopped and verdict != EOS else verdict
+        else:
+            reason = _with_stop_string(verdict, stopped)
         if reason is not None:
             return self.finish(seq, reason, [token], text, logprobs, logits=sampled.logits)
         return [self._output(seq, [token], text, logprobs, finished=False, logits=sampled.logits)]
+
+    def append_decoded(self, seqs: list[Sequence], sampled: SamplerOutput, verdicts: list) -> list[RequestOutput]:
+        """A decode step's tokens ``sampled`` [R] for ``seqs`` [R] that sample and stop from their
+        persistent-batch columns (no grammar, beam or generation logits; the tokens are in the
+        columns already): ``append_token`` for each, without its per-row grammar and stop checks
+        where ``verdicts`` [R] holds the columns' verdict (UNDECIDED rows take append_token)."""
+        outputs = []
+        for seq, token, logprob, top, verdict in zip(seqs, sampled.token_ids, sampled.logprobs,
+                                                     sampled.top_logprobs, verdicts):
+            chosen = TokenLogprob(token, logprob, top) if logprob is not None else None
+            if verdict is UNDECIDED:
+                outputs += self.append_token(seq, Sampled(token, chosen, None))
+                continue
+            logprobs, text, stopped = self._take(seq, token, chosen)
+            reason = _with_stop_string(verdict, stopped)
+            if reason is None:
+                outputs.append(self._output(seq, [token], text, logprobs, finished=False))
+            else:
+                outputs += self.finish(seq, reason, [token], text, logprobs)
+        return outputs
+
+    def _take(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> tuple[list[TokenLogprob], str, bool]:
+        """``token`` appended to seq's tokens (not to its columns): (its logprobs for the output,
+        the text it releases, whether a stop string matched)."""
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.time()
+        text, stopped = self.detokenizers[seq.key].add(token)
+        if logprob is None:
+            return [], text, stopped
+        seq.cumulative_logprob += logprob.logprob
+        return [logprob], text, stopped
 
     def finish_reason(self, seq: Sequence, token: int, stopped: bool) -> str | None:
         """``stopped``: a stop string ended the text, or the grammar is complete."""
@@ -191,9 +217,10 @@ class OutputProcessor:
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob],
                 finished: bool, logits: np.ndarray | None = None) -> RequestOutput:
         wants_logprobs = seq.params.logprobs is not None
-        first_token = bool(tokens) and seq.num_output_tokens == 1
+        num_output = seq.num_output_tokens
+        first_token = bool(tokens) and num_output == 1
         return RequestOutput(
-            request_id=seq.request_id, new_token_ids=tokens, new_text=text, num_output_tokens=seq.num_output_tokens,
+            request_id=seq.request_id, new_token_ids=tokens, new_text=text, num_output_tokens=num_output,
             finished=finished, finish_reason=seq.finish_reason, seed=seq.seed, logprobs=logprobs,
             cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
             first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
@@ -246,6 +273,12 @@ class OutputProcessor:
         start = seq.kv_export_start
         kv = KVPayload(self.runner.kv_meta(seq.num_tokens, start), self.runner.export_kv(seq, start))
         return PrefillResult(seq.request_id, choices, kv, (seq.first_token_time - seq.arrival_time) * 1000.0, **beams)
+
+
+def _with_stop_string(verdict: str | None, stopped: bool) -> str | None:
+    """The end of a token the stop columns gave ``verdict``, a stop string having matched or not:
+    finish_reason's order, EOS first, then a stop (string or id), then a length cap."""
+    return STOP if stopped and verdict != EOS else verdict
 
 
 def context_logits(seq: Sequence) -> np.ndarray | None:

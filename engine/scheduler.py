@@ -138,9 +138,10 @@ class Scheduler:
         drafts (their KV is garbage, overwritten later), and their full blocks are cached.
         Accepted drafts count as computed before the engine appends them to the sequence."""
         if batch.decode_only and not any(rejected or ()):  # one token each, none of the prompt
-            for seq, _ in batch.entries:
+            seqs = [seq for seq, _ in batch.entries]
+            for seq in seqs:
                 seq.num_computed_tokens += 1
-                self.blocks.cache_full_blocks(seq)
+            self.blocks.cache_filled_blocks(seqs)
             self.rows.num_computed[batch.slots] += 1
             return
         for (seq, n), dropped in zip(batch.entries, rejected or [0] * len(batch.entries)):
@@ -160,8 +161,25 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._run(seq)
         self._arrived = []
+        budget, decodes = self._schedule_running(batch, budget)
+        # Running requests that lost blocks this step come before anything new.
+        if len(batch.preempted) == preempted_for_waiting:
+            self._admit(batch, budget)
+        rest = batch.entries[decodes:]  # the leading ``decodes`` entries are one decode token each
+        batch.drafted = [0] * decodes + [max(0, seq.num_computed_tokens + n - seq.num_tokens) for seq, n in rest]
+        batch.sampling = [True] * decodes + [seq.num_computed_tokens + n >= seq.num_tokens for seq, n in rest]
+        self._mark_decode(batch)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, int]:
+        """The running sequences' tokens, in order, and waiting requests of higher priority admitted
+        before the first they outrank: (the budget left, how many leading entries are one decode token)."""
+        ordered = sorted(self.running, key=lambda s: s.order_key)
+        slots = self._all_decode(ordered, budget)
+        if slots is not None:
+            return self._schedule_decodes(batch, budget, ordered, slots)
         may_overtake = True  # False once a waiting request of higher priority found no room this step
-        for seq in sorted(self.running, key=lambda s: s.order_key):
+        for seq in ordered:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -174,20 +192,48 @@ class Scheduler:
             n = self._new_tokens(seq, seq.num_computed_tokens, budget)
             if n == 0:  # a beam that has reported its step waits for its siblings (engine/decoding/beam_search.py)
                 continue
-            if not self.blocks.covers(seq, seq.num_computed_tokens + n):  # most decode steps: it does
-                if not self._make_room(seq, n, batch):
-                    continue
-                batch.block_copies += self.blocks.allocate(seq, seq.num_computed_tokens + n)
-                self.rows.write_blocks(seq)
+            if not self.blocks.covers(seq, seq.num_computed_tokens + n) and not self._grow(seq, n, batch):
+                continue
             batch.entries.append((seq, n))
             budget -= n
-        # Running requests that lost blocks this step come before anything new.
-        if len(batch.preempted) == preempted_for_waiting:
-            self._admit(batch, budget)
-        batch.drafted = [max(0, seq.num_computed_tokens + n - seq.num_tokens) for seq, n in batch.entries]
-        batch.sampling = [seq.num_computed_tokens + n >= seq.num_tokens for seq, n in batch.entries]
-        self._mark_decode(batch)
-        return batch
+        return budget, 0
+
+    def _all_decode(self, ordered: list[Sequence], budget: int) -> np.ndarray | None:
+        """The row slots [R] of ``ordered`` when each has one token left to compute and no drafts, the
+        budget holds them all and no waiting request outranks one (the loop above would give each
+        one token, admitting nothing between them); else None."""
+        if not ordered or len(ordered) > budget:
+            return None
+        if self._waiting and self._waiting[0][1].priority < max(seq.priority for seq in ordered):
+            return None
+        if any(seq.step_drafts is not None and seq.step_drafts.token_ids for seq in ordered):
+            return None
+        slots = np.fromiter((seq.row for seq in ordered), dtype=np.int64, count=len(ordered))
+        rows = self.rows
+        return slots if bool((rows.num_tokens[slots] - rows.num_computed[slots] == 1).all()) else None
+
+    def _schedule_decodes(self, batch: ScheduledBatch, budget: int, ordered: list[Sequence],
+                          slots: np.ndarray) -> tuple[int, int]:
+        """One token for each of ``ordered`` (slots [R]): block coverage decided for the whole batch
+        from the persistent batch's tables, a block found (or room made) only for the rows that need one."""
+        rows = self.rows
+        covered = self.blocks.covered(rows.tables[slots], rows.table_len[slots], rows.num_computed[slots] + 1)
+        first = len(batch.entries)
+        for seq, covers in zip(ordered, covered.tolist()):
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier row's block
+                continue
+            if covers or self._grow(seq, 1, batch):
+                batch.entries.append((seq, 1))
+        decodes = len(batch.entries) - first
+        return budget - decodes, decodes
+
+    def _grow(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Blocks for ``seq``'s next n tokens, preempting for them; False if ``seq`` itself was preempted."""
+        if not self._make_room(seq, n, batch):
+            return False
+        batch.block_copies += self.blocks.allocate(seq, seq.num_computed_tokens + n)
+        self.rows.write_blocks(seq)
+        return True
 
     def _mark_decode(self, batch: ScheduledBatch) -> None:
         """The entries' row slots, and whether every entry is one decode token (from the columns)."""

@@ -1,5 +1,7 @@
 """Incremental detokenization: streamed pieces concatenate to tokenizer.decode()."""
 
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -64,3 +66,31 @@ def test_keep_stop_ends_the_text_with_the_stop_string_that_matched(tokenizer, st
     detok = IncrementalDetokenizer(tokenizer, stop=stop, keep_stop=True)
     pieces = streamed_until_stop(detok, ids)
     assert "".join(pieces) == detok.text == expected
+
+
+def window_pieces(tokenizer, ids: list[int], skip_special_tokens: bool) -> list[str]:
+    """The pieces of the two-decode window (vLLM's prefix/read offsets), written out here: what
+    the detokenizer's Rust stream must release token by token."""
+    pieces, prefix, read = [], 0, 0
+    for end in range(1, len(ids) + 1):
+        before = tokenizer.decode(ids[prefix:read], skip_special_tokens=skip_special_tokens)
+        after = tokenizer.decode(ids[prefix:end], skip_special_tokens=skip_special_tokens)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            pieces.append(after[len(before):])
+            prefix, read = read, end
+        else:
+            pieces.append("")
+    return pieces
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_stream_releases_the_windows_pieces(tokenizer, skip_special_tokens):
+    # Special ids (0-2), byte tokens (3-258: split characters), any id, ids past the tokenizer's vocabulary.
+    generator = random.Random(skip_special_tokens)
+    vocab = len(tokenizer)
+    for _ in range(300):
+        ids = [generator.choice([generator.randrange(0, 3), generator.randrange(3, 259), generator.randrange(3, vocab),
+                                 generator.randrange(vocab, vocab + 40)]) for _ in range(generator.randrange(1, 24))]
+        detok = IncrementalDetokenizer(tokenizer, stop=[], skip_special_tokens=skip_special_tokens)
+        assert [detok.add(i)[0] for i in ids] == window_pieces(tokenizer, ids, skip_special_tokens), ids
+        assert detok._stream is not None  # the Rust stream released them, not the Python fallback

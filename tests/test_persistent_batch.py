@@ -7,6 +7,7 @@ sampling and stop controls and LoRA adapters. Then the engine on a tiny model: t
 after each of its steps, over n choices, beams, stop ids and preemption.
 """
 
+import copy
 import random
 import time
 
@@ -45,6 +46,12 @@ def assert_matches_rebuild(rows: PersistentBatch, running: list[Sequence]) -> No
     assert all(rows.seqs[slot] is None for slot in range(rows.capacity) if slot not in taken)
 
 
+def scheduled(batch: ScheduledBatch) -> tuple:
+    """What a schedule decided, by sequence key (two schedulers' sequences are copies)."""
+    return ([(seq.key, n) for seq, n in batch.entries], batch.block_copies, [seq.key for seq in batch.preempted],
+            batch.drafted, batch.sampling, batch.decode_only, batch.slots.tolist())
+
+
 def random_params(rng: random.Random) -> SamplingParams:
     return SamplingParams(max_new_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.7, 1.0]),
                           top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.1]),
@@ -74,14 +81,22 @@ def test_arrays_equal_a_rebuild_after_random_changes(seed):
         seq.decode_side = rng.random() < 0.3
         return seq
 
-    forks = 0
+    forks = fast_steps = 0
     for _ in range(120):
         action = rng.choice(["join", "join", "step", "step", "step", "finish", "abort", "preempt", "fork"])
         running = list(scheduler.running)
         if action == "join":
             scheduler.add(new_sequence())
         elif action == "step":  # block appends, joins (admission) and preemption happen in here
+            assert blocks.covered(rows.tables[[s.row for s in running]], rows.table_len[[s.row for s in running]],
+                                  rows.num_computed[[s.row for s in running]] + 1).tolist() == [
+                blocks.covers(s, s.num_computed_tokens + 1) for s in running]
+            per_row = copy.deepcopy(scheduler)
+            per_row._all_decode = lambda ordered, budget: None  # the loop over rows, as the reference
+            ordered = sorted(running, key=lambda s: s.order_key)
+            fast_steps += scheduler._all_decode(ordered, scheduler.max_num_batched_tokens) is not None
             batch = scheduler.schedule()
+            assert scheduled(batch) == scheduled(per_row.schedule())
             assert batch.slots.tolist() == [seq.row for seq, _ in batch.entries]
             scheduler.commit(batch)
             for (seq, _), due in zip(batch.entries, batch.sampling):
@@ -102,6 +117,7 @@ def test_arrays_equal_a_rebuild_after_random_changes(seed):
             rows.write_token(child)
         assert_matches_rebuild(rows, scheduler.running)
     assert rows.capacity > 2
+    assert fast_steps >= 3, "the random changes were meant to reach steps of decodes only"
 
 
 def test_decode_step_gathers_equal_the_sequences():
@@ -172,3 +188,49 @@ def test_a_resumed_prefill_whose_context_ends_in_one_uncached_token_hands_over()
     out = engine.prefill([resumed])["resumed"]
     assert not out.finished and out.prefill is not None and out.new_token_ids == [first[5]]
     assert engine.blocks.counts().held == 0  # P keeps nothing
+
+
+def streams(engine: LLMEngine, requests: list[GenerationRequest]) -> list[tuple]:
+    """Every output of ``requests`` run together, in order, less the clock's fields."""
+    for request in requests:
+        engine.add_request(request)
+    outputs = []
+    while engine.has_work():
+        for out in engine.step():
+            outputs.append((out.request_id, out.index, out.new_token_ids, out.new_text, out.finished,
+                            out.finish_reason, out.num_output_tokens, out.cumulative_logprob,
+                            [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs], out.output_token_ids, out.text))
+    return outputs
+
+
+def test_decode_steps_from_the_columns_give_the_per_row_outputs():
+    """The same requests through the column paths (the all-decode schedule, append_decoded) and
+    through the per-row ones: every output equal, token, text piece, logprobs and end alike,
+    with EOS, stop ids, stop strings (cut, kept) and length caps among the ends."""
+    config = EngineConfig(model="tiny-llama", block_size=4, num_blocks=256, max_num_seqs=16)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    end_id = LLMEngine(config).generate([GenerationRequest("q0", list(range(30, 42)), greedy)])["q0"].output_token_ids[5]
+    specs = [SamplingParams(max_new_tokens=24, temperature=0.0, eos_token_id=end_id),  # ends at its 6th token
+             SamplingParams(max_new_tokens=24, temperature=0.9, seed=5, logprobs=2),
+             SamplingParams(max_new_tokens=24, temperature=1.0, seed=7, stop=["e", "an"]),
+             SamplingParams(max_new_tokens=24, temperature=1.0, seed=8, stop=[" "], include_stop_str_in_output=True),
+             SamplingParams(max_new_tokens=24, temperature=1.0, seed=9, stop_token_ids=[[13], [29], [31]]),
+             SamplingParams(max_new_tokens=6, temperature=1.0, seed=10, ignore_eos=True, logprobs=0)]
+    runs = []
+    for per_row in (False, True):
+        engine = LLMEngine(config)
+        columns = engine._from_columns
+        used = []
+        if per_row:
+            engine._from_columns = lambda batch: False
+            engine.scheduler._all_decode = lambda ordered, budget: None
+        else:
+            engine._from_columns = lambda batch: used.append(columns(batch)) or used[-1]
+        requests = [GenerationRequest(f"q{k}", list(range(30 + k, 42 + 2 * k)), params)
+                    for k, params in enumerate(specs * 2)]
+        runs.append(streams(engine, requests))
+        if not per_row:
+            assert sum(used) >= 5, "the column path was meant to run most decode steps"
+    assert runs[0] == runs[1]
+    ends = {out[5] for out in runs[0] if out[4]}
+    assert {"eos_token", "stop_sequence", "length"} <= ends, ends
