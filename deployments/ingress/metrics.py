@@ -16,7 +16,7 @@ replica that does not answer within ``STATS_TIMEOUT_S`` is left out of that scra
 from __future__ import annotations
 
 import asyncio
-from dataclasses import fields
+from dataclasses import fields, replace
 import time
 from typing import NamedTuple
 
@@ -24,7 +24,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from deployments.ingress.health import app_deployments
 from deployments.pd import routing
-from engine.async_engine import EngineStats
 from deployments.ingress.tracing import RequestTrace
 
 STATUS_TIMEOUT_S = 5.0  # Serve's status, read at each scrape for the replica counts
@@ -115,7 +114,7 @@ METRICS = (
 )
 
 
-async def deployment_stats(handle, deployment: str) -> EngineStats:
+async def deployment_stats(handle, deployment: str):
     """The engine stats of ``deployment``'s replicas summed (counts and the dicts' counts added): each
     replica this process routes to asked pinned, each answer counted once by the replica id it names
     (a pinned call to a replica gone reaches another). Raises when none answers in time."""
@@ -125,12 +124,15 @@ async def deployment_stats(handle, deployment: str) -> EngineStats:
     by_replica = dict(a for a in answers if not isinstance(a, BaseException))
     if not by_replica:
         raise next(a for a in answers if isinstance(a, BaseException))
-    return EngineStats(**{spec.name: _summed([getattr(s, spec.name) for s in by_replica.values()])
-                          for spec in fields(EngineStats)})
+    # The replicas' EngineStats (engine/async_engine.py, not imported: it would load the engine's modules
+    # into the ingress) added field by field.
+    first, *_ = by_replica.values()
+    return replace(first, **{spec.name: _summed([getattr(s, spec.name) for s in by_replica.values()])
+                             for spec in fields(first)})
 
 
 def _summed(values: list):
-    """One EngineStats field over the replicas: counts added, dicts added key by key (zeros kept: a
+    """One stats field over the replicas: counts added, dicts added key by key (zeros kept: a
     gauge set to 0), a string (the dtype) the first replica's."""
     if isinstance(values[0], str):
         return values[0]
