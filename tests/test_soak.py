@@ -3,8 +3,8 @@
 each proven), clients that leave at random points and hostile inputs, checking every invariant of
 tools/soak_invariants.py. Before it, in-process: each invariant fails on the evidence of the
 defect it names (a request ended twice, a wrong token, a hostile input answered 500, Ray's names in
-an error, a block held, object-store bytes not returned, RSS growth, an unproven fault, P-only
-degradation while every D lived)."""
+an error, a block held, object-store bytes not returned, RSS growth, an unproven fault, one role
+serving alone while the other lived)."""
 
 from collections import Counter
 
@@ -32,7 +32,8 @@ def good_evidence() -> tuple[list[Record], dict, dict]:
                "faults": [{"kind": "SIGKILL DecodeServer", "proven": True, "proof": "pid 1 gone", "at": 50.0,
                            "until": 51.0}],
                "server_statuses": Counter({"200": 3, "503": 1, "400": 1}),
-               "decode_answering": [(40.0, 2), (55.0, 0), (70.0, 2)]}  # 0 inside the D fault's window
+               "answering": {"DecodeServer": [(40.0, 2), (55.0, 0), (70.0, 2)],  # 0 inside the D fault's window
+                             "PrefillServer": [(40.0, 1), (55.0, 1), (70.0, 1)]}}
     return records, {reference_key(work): REFERENCE}, drained
 
 
@@ -70,7 +71,9 @@ def mutate(name: str, records: list[Record], drained: dict) -> None:
     elif name == "a fault that did not happen":
         drained["faults"][0]["proven"] = False
     elif name == "P alone while every D lived":
-        drained["decode_answering"].append((90.0, 0))
+        drained["answering"]["DecodeServer"].append((90.0, 0))
+    elif name == "D alone while P lived, during a D fault":  # a fault on D is no excuse for calling P down
+        drained["answering"]["PrefillServer"].append((55.0, 0))
 
 
 MUTANTS = {"a request counted twice": "ends_exactly_once", "an event after the end": "ends_exactly_once",
@@ -80,7 +83,8 @@ MUTANTS = {"a request counted twice": "ends_exactly_once", "an event after the e
            "a raw 500 to a legitimate request": "nothing_lost", "a hostile input answered 500": "hostile_never_5xx",
            "Ray's internals in an error": "no_raw_internals", "a block not freed": "replicas_hold_nothing",
            "object-store bytes not returned": "object_store_at_baseline", "RSS grew 20%": "rss_growth_bounded",
-           "a fault that did not happen": "faults_proven", "P alone while every D lived": "no_false_degradation"}
+           "a fault that did not happen": "faults_proven", "P alone while every D lived": "no_false_degradation",
+           "D alone while P lived, during a D fault": "no_false_degradation"}
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)

@@ -132,6 +132,18 @@ def until_success(url: str, since: float) -> float:
     return float("inf")
 
 
+def timed_infer_token(url: str, body: dict, timeout_s: float) -> tuple[str, float]:
+    """One /infer_token request: its outcome (the HTTP status, "raw" when the body shows Ray's
+    internals, or the client's error) and its seconds."""
+    start = time.monotonic()
+    try:
+        response = httpx.post(f"{url}/infer_token", json=body, timeout=timeout_s)
+        outcome = "raw" if RAY_INTERNALS.search(response.text) else str(response.status_code)
+    except httpx.HTTPError as error:
+        outcome = type(error).__name__
+    return outcome, time.monotonic() - start
+
+
 def kill(process: psutil.Process) -> str:
     sigkill(process)
     return f"pid {process.pid} gone"
@@ -163,6 +175,42 @@ def stop_every_decode_15s(streams):
                               30, 0.2)
         time.sleep(15)
     return f"{len(processes('DecodeServer'))} D stopped; /health {'degraded' if degraded else 'never degraded'}"
+
+
+def stop_every_prefill_15s(streams):
+    """Every P replica SIGSTOPped for 15 s while the streams run and a new request (a prompt no D
+    holds) arrives every half second: D serves the new ones alone, prefilling them itself
+    (deployments/pd/decode_watch.py's prefill watch). The proof: /health "degraded" while P is stopped, and
+    "ok" again once it runs. Reports each new request's outcome and time, the seconds to "degraded"
+    after the stop and to "ok" after SIGCONT."""
+    url = streams[0].url
+
+    def health() -> str:
+        return httpx.get(f"{url}/health", timeout=30).json().get("status", "")
+
+    def new_request(i: int) -> tuple[str, float]:
+        return timed_infer_token(url, {"input_id": [1, 60 + i % 800, 61, 62, 63],
+                                       "parameters": {"max_new_tokens": 16, "ignore_eos": True}}, 120)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        with stopped("PrefillServer"):
+            stopped_at = time.monotonic()
+            sent = [pool.submit(new_request, 0)]
+            degraded = wait_until(lambda: health() == "degraded", 30, 0.1)
+            degraded_after = time.monotonic() - stopped_at
+            while time.monotonic() - stopped_at < 15:
+                sent.append(pool.submit(new_request, len(sent)))
+                time.sleep(0.5)
+        resumed_at = time.monotonic()
+        pd_again = wait_until(lambda: health() == "ok", 60, 0.1)
+        pd_after = time.monotonic() - resumed_at
+        answers = [future.result() for future in sent]
+    served = [seconds for outcome, seconds in answers if outcome == "200"]
+    return (f"{len(processes('PrefillServer'))} P stopped 15 s; /health degraded after {degraded_after:.2f} s"
+            f"{'' if degraded else ' (never)'}, ok {pd_after:.2f} s after SIGCONT{'' if pd_again else ' (never)'}; "
+            f"new requests meanwhile: {len(served)}/{len(answers)} answered 200, slowest "
+            f"{max(seconds for _, seconds in answers):.2f} s, other outcomes "
+            f"{sorted({outcome for outcome, _ in answers} - {'200'})}")
 
 
 def kill_decode_while_requests_arrive(streams):
@@ -220,6 +268,7 @@ FAULTS = {
     "SIGSTOP D 10 s, then SIGCONT": Fault("running", stop_decode_10s),
     "SIGKILL D mid-stream, new requests until it is back": Fault("running", kill_decode_while_requests_arrive),
     "SIGSTOP every D 15 s (P serves alone), then SIGCONT": Fault("running", stop_every_decode_15s),
+    "SIGSTOP every P 15 s (D serves alone), then SIGCONT": Fault("running", stop_every_prefill_15s),
     "clients disconnect mid-decode": Fault("running", disconnect_half),
     "SIGKILL P before its reply": Fault("PrefillServer"),
     "SIGKILL P after its reply, before D's fetch": Fault("DecodeServer"),

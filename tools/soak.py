@@ -40,7 +40,9 @@ APP = "soak"
 HOSTILE_SHARE, DISCONNECT_SHARE = 0.05, 0.10
 MAX_IN_FLIGHT = 48  # client threads: an arrival beyond them is counted as not sent, never queued
 DRAIN_BOUND_S = 180.0
-DECODE_ANSWERING_EVERY_S = 2.0  # PD: how often the ingress's count of D replicas answering is read
+ANSWERING_EVERY_S = 2.0  # PD: how often the ingress's counts of P and D replicas answering are read
+ANSWERING_GAUGES = {"PrefillServer": "pdserve_pd_prefill_replicas_answering",
+                    "DecodeServer": "pdserve_pd_decode_replicas_answering"}
 GENERATION_ROUTES = ("/infer_token", "/v1/completions", "/v1/chat/completions", "unmatched")  # 413s: "unmatched"
 
 
@@ -122,7 +124,8 @@ class Soak:
         self.violations: list[tuple[float, str]] = []  # found as each answer ended: (seconds into the load, what)
         self.faults: list[dict] = []
         self.rss: dict[str, list[tuple[float, int]]] = {}
-        self.decode_answering: list[tuple[float, int]] = []  # (time.monotonic(), D replicas answering), PD
+        # PD: role -> (time.monotonic(), that role's replicas answering the ingress's probes)
+        self.answering: dict[str, list[tuple[float, int]]] = {role: [] for role in ANSWERING_GAUGES}
         self.rss_every_s, self.lock, self.stopping = rss_every_s, threading.Lock(), threading.Event()
         self.not_sent = 0
         self.t0 = time.monotonic()
@@ -201,16 +204,17 @@ class Soak:
                     continue  # killed meanwhile
                 self.rss.setdefault(f"{role}:{process.pid}", []).append((round(time.monotonic() - self.t0, 1), rss))
 
-    def sample_decode_answering(self) -> None:
-        """The D replicas answering the ingress's probes, as its /metrics says now (PD's P-only
-        degradation when 0: the invariant ``no_false_degradation``)."""
+    def sample_answering(self) -> None:
+        """The P and D replicas answering the ingress's probes, as its /metrics says now (0 of one role:
+        the other serves alone; the invariant ``no_false_degradation``)."""
         try:
             text = self.client.get(f"{self.url}/metrics", timeout=30).text
         except httpx.HTTPError:
             return
-        found = re.search(r"^pdserve_pd_decode_replicas_answering(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)
-        if found:
-            self.decode_answering.append((time.monotonic(), int(float(found.group(1)))))
+        for role, gauge in ANSWERING_GAUGES.items():
+            found = re.search(rf"^{gauge}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+            if found:
+                self.answering[role].append((time.monotonic(), int(float(found.group(1)))))
 
     def run(self, seconds: float, rate: float, fault_every_s: float, fault_kinds: list[str]) -> None:
         """Open-loop arrivals at ``rate``/s for ``seconds``, a fault every ``fault_every_s`` (kinds in a
@@ -239,11 +243,11 @@ class Soak:
                 self.sample_rss()
                 self.stopping.wait(self.rss_every_s)
 
-        def decode_answering() -> None:
-            while self.app_kind == "pd" and not self.stopping.wait(DECODE_ANSWERING_EVERY_S):
-                self.sample_decode_answering()
+        def answering() -> None:
+            while self.app_kind == "pd" and not self.stopping.wait(ANSWERING_EVERY_S):
+                self.sample_answering()
 
-        background = [threading.Thread(target=f, daemon=True) for f in (faults, rss, decode_answering)]
+        background = [threading.Thread(target=f, daemon=True) for f in (faults, rss, answering)]
         for thread in background:
             thread.start()
         in_flight = threading.Semaphore(MAX_IN_FLIGHT)
@@ -286,7 +290,7 @@ class Soak:
         statuses = server_statuses(self.url)
         return {"holding": held, "object_store_baseline": object_store_baseline,
                 "object_store_after": object_store_bytes(), "rss": self.rss, "faults": self.faults,
-                "server_statuses": statuses - statuses_before, "decode_answering": self.decode_answering}
+                "server_statuses": statuses - statuses_before, "answering": self.answering}
 
 
 def run_soak(url: str, app_kind: str, seconds: float, fault_every_s: float, seed: int = 0, load: float = 0.7,
