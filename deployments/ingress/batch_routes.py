@@ -72,12 +72,13 @@ def serve_batches(app: FastAPI, args: AppArgs, engine_handles: dict, metrics: In
 def in_process_sender(app: FastAPI, api_key: str | None):
     """A batch line sent to this replica's own app, in process: the route, validation, admission and
     limits a client's request meets, counted against the batch's key (``rate_key``, which no
-    client can set)."""
+    client can set), and marked a batch line (``batch_line``: its engine requests are background,
+    engine/scheduler.py)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def send(endpoint: str, body: dict, key_name: str) -> tuple[int, dict, float | None]:
         async def as_key(scope, receive, send_):
-            scope["state"] = {**scope.get("state", {}), "rate_key": key_name}
+            scope["state"] = {**scope.get("state", {}), "rate_key": key_name, "batch_line": True}
             await app(scope, receive, send_)
 
         transport = httpx.ASGITransport(app=as_key, raise_app_exceptions=False)
@@ -90,14 +91,15 @@ def in_process_sender(app: FastAPI, api_key: str | None):
 
 
 def engines_waiting(handles: dict):
-    """The requests waiting in the engines now (one replica of each deployment asked)."""
+    """The foreground requests waiting in the engines now (one replica of each deployment asked): the
+    batch's own lines wait there whenever an interactive request runs, and are not counted."""
     async def probe() -> int:
         try:
             stats = await asyncio.wait_for(asyncio.gather(*(h.stats.remote() for h in handles.values())),
                                            PROBE_TIMEOUT_S)
         except Exception:  # a busy or restarting engine: treated as a queue, so the batch backs off
             return 1
-        return sum(sum(s.waiting_by_priority.values()) for s in stats)
+        return sum(sum(s.waiting_by_priority.values()) - s.waiting_background for s in stats)
     return probe
 
 

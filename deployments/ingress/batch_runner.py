@@ -16,11 +16,14 @@ whose lease is its own or has run out (deployments/ingress/batch_store.py) and d
                  written as batch_cancelled; cancelled
     expired      past expires_at: as cancelling, with batch_expired
 
-Priority and pacing: batch lines run at priority 5, the lowest (interactive requests default to
-it too), and take only the capacity interactive traffic leaves: the runner reads the engines'
-queues (``probe``: requests waiting at any P, D or colocated replica) and, while any request
-waits, halves how many lines it keeps in flight (down to ``MIN_IN_FLIGHT``, so that a batch
-always ends); while none waits it adds one per poll up to ``max_in_flight``.
+Priority and pacing: batch lines run at priority 5 as background requests (``Origin.background``,
+set by the sender): the engines run them only in steps no interactive request is in, whatever its
+priority, holding them (KV kept) while one waits or runs (engine/scheduler.py). So they take the
+capacity interactive traffic leaves, step by step. The runner keeps them from filling the engines'
+seats and blocks when interactive traffic does: it reads the engines' queues (``probe``:
+interactive requests waiting at any P, D or colocated replica) and, while any waits, halves how
+many lines it keeps in flight (down to ``MIN_IN_FLIGHT``, so that a batch always ends); while none
+waits it adds one per poll up to ``max_in_flight``.
 
 Each line is sent once. Only an answer of 429 (its key's limits) or 503 (overloaded, not ready)
 sends it again, after its Retry-After: each such retry is counted (``on_retry``, the metric

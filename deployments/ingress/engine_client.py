@@ -80,6 +80,7 @@ class ServeEngineClient:
         flows: list[RequestFlow] = []
         generation = ServeGeneration(flows, queue)
         for index, request in enumerate(requests):
+            request.background = origin.background  # a batch line's requests yield to interactive ones
             try:
                 ticket = self.admission.admit(request)
             except Overloaded as error:  # at once, never a wait: deployments/ingress/admission.py

@@ -52,9 +52,12 @@ def served_settings(args: AppArgs, pd: bool, serves_lora: bool) -> ServedSetting
 
 
 def origin(http: Request, dialect: str, priority: int) -> Origin:
-    """The request's origin for its trace; its priority labels the request counter (http_app.py)."""
+    """The request's origin for its trace; its priority labels the request counter (http_app.py).
+    A batch line is marked in its ASGI scope's state by the runner's sender (batch_routes.py), which
+    no client reaches."""
     http.state.priority = priority
-    return Origin(dialect, http.headers.get("x-request-id"), http.state.arrival, http.state.rate_key)
+    return Origin(dialect, http.headers.get("x-request-id"), http.state.arrival, http.state.rate_key,
+                  getattr(http.state, "batch_line", False))
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
