@@ -166,25 +166,28 @@ def test_a_held_background_request_on_decode_fetches_its_kv_and_imports_it_once_
 def test_the_batch_runners_sender_marks_its_engine_requests_background_and_a_client_cannot(model_dirs):
     """The ingress's routes in process: a line sent by the batch runner's sender reaches the engine
     as a background request; the same body from a client, with any header or field it may send,
-    does not (the mark lives in the ASGI scope's state, which no client reaches)."""
+    does not (the mark lives in the ASGI scope's state, which no client reaches). Only the client's
+    counts as interactive in flight (the runner sends no line while one is)."""
     model = model_dirs["llama"]
     app = InProcessApp(AsyncEngine(EngineConfig(model=str(model), dtype="float32", torch_threads=1)),
                        AppArgs(model=str(model), served_model_name="llama"))
-    seen: list[bool] = []
-    backend = app.view.openai.client.backend
-    stream = backend.stream
-    backend.stream = lambda request, trace=None: (seen.append(request.background), stream(request, trace))[1]
+    seen: list[tuple[bool, int]] = []  # (background, interactive requests in flight) as each reaches the engine
+    client = app.view.openai.client
+    stream = client.backend.stream
+    client.backend.stream = lambda request, trace=None: (
+        seen.append((request.background, client.interactive_in_flight)), stream(request, trace))[1]
     body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     try:
         status, answer, _ = app.run(in_process_sender(app.app, None)("/v1/chat/completions", body, "default"))
         assert status == 200 and answer["usage"]["completion_tokens"] == 2
-        client = app.send("POST", "/v1/chat/completions", json.dumps(body).encode(),
-                          {"content-type": "application/json", "x-batch-line": "true"})
-        assert client.status_code == 200
+        answered = app.send("POST", "/v1/chat/completions", json.dumps(body).encode(),
+                            {"content-type": "application/json", "x-batch-line": "true"})
+        assert answered.status_code == 200
         assert app.post("/v1/chat/completions", {**body, "background": True}).status_code == 400
+        assert client.interactive_in_flight == 0
     finally:
         app.close()
-    assert seen == [True, False]
+    assert seen == [(True, 0), (False, 1)]
 
 
 def test_the_runners_probe_counts_interactive_requests_waiting_not_the_batchs_own_lines():

@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 import time
-from typing import Literal
+from typing import Callable, Literal
 import uuid
 
 from fastapi import APIRouter, FastAPI, File, Form, Query, Request, UploadFile
@@ -47,10 +47,12 @@ class BatchService:
     task: asyncio.Task  # the runner's, held here: the event loop keeps only a weak reference to it
 
 
-def serve_batches(app: FastAPI, args: AppArgs, engine_handles: dict, metrics: IngressMetrics) -> RateLimiter:
+def serve_batches(app: FastAPI, args: AppArgs, engine_handles: dict, metrics: IngressMetrics,
+                  interactive_running: Callable[[], bool]) -> RateLimiter:
     """Set up the store, the rate limiter and the runner in this ingress replica (``app.state`` of
     ``app``, the app the replica serves), and start the runner; returns the limiter.
-    ``engine_handles``: the engine deployments whose queues pace the runner."""
+    ``engine_handles``: the engine deployments whose queues pace the runner; ``interactive_running``:
+    whether interactive requests run through this replica now (the runner sends no line then)."""
     app_name = serve.get_replica_context().app_name
     limiter = RateLimiter(args.rate_limits, app_name, metrics.registry)
     app.state.rate_limits = limiter
@@ -62,7 +64,8 @@ def serve_batches(app: FastAPI, args: AppArgs, engine_handles: dict, metrics: In
                       registry=metrics.registry)
     runner = BatchRunner(store, in_process_sender(app, args.api_key.get_secret_value() if args.api_key else None),
                          engines_waiting(engine_handles), f"ingress-{uuid.uuid4().hex}", args.batch_max_in_flight,
-                         args.batch_lease_s, on_retry=lambda status: retries.labels(str(status)).inc())
+                         args.batch_lease_s, on_retry=lambda status: retries.labels(str(status)).inc(),
+                         busy=interactive_running)
     task = asyncio.get_running_loop().create_task(runner.run())
     app.state.batches = BatchService(store, runner, files_api.UploadLimits(args.max_file_bytes, args.max_batch_lines),
                                      task)

@@ -87,7 +87,8 @@ class Ingress:
         app.state.max_body_bytes = args.max_body_bytes
         app.state.api_key = args.api_key.get_secret_value() if args.api_key is not None else None
         # /v1/files, /v1/batches and per-key limits; each engine request's tokens count against its key
-        self.engines.charge = serve_batches(app, args, self.backend.handles, self.metrics).charge
+        self.engines.charge = serve_batches(app, args, self.backend.handles, self.metrics,
+                                            lambda: self.engines.interactive_in_flight > 0).charge
         self._openapi: dict | None = None
         self.responses = responses.ResponseStore()  # /v1/responses' stored responses: this replica's only
         self.readiness = Readiness(self.backend, embedder)
