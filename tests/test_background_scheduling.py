@@ -9,6 +9,7 @@ from dataclasses import replace
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from deployments.config import AppArgs
@@ -16,7 +17,7 @@ from deployments.ingress.batch_routes import engines_waiting, in_process_sender
 from engine.async_engine import AsyncEngine
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.kv_transfer import KVPayload
+from engine.kv_transfer import KVMeta, KVPayload
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest, Mode, SequenceStatus
 from engine.scheduler import Scheduler
@@ -96,6 +97,38 @@ def test_held_background_rows_run_to_their_end_once_foreground_traffic_stops():
     while line.num_output_tokens < 20:
         assert step(scheduler) == [("line", 1)]
     assert scheduler.num_preemptions == 0
+
+
+def test_a_background_request_on_decode_fetches_beside_foreground_work_and_is_held_preemptible_once_here():
+    """D in PD, the scheduler alone: the line is admitted into receiving (its KV fetched within P's
+    lease) while a foreground request runs; once its KV is here it waits outside the running batch,
+    its import not run, until no foreground request is left, and a foreground request short of blocks
+    takes them from it."""
+    scheduler = Scheduler(BlockManager(num_blocks=10, block_size=4), max_num_seqs=8, max_num_batched_tokens=64)
+    chat = sequence("chat", 5, 0, 8)
+    scheduler.add(chat)
+    step(scheduler)
+    line = sequence("line", 5, 1, 16, background=True)
+    line.mode = Mode.DECODE
+    line.token_ids.append(7)  # P's first token
+    meta = KVMeta("m", "float32", 1, 1, 4, num_tokens=16)
+    line.pending_kv = KVPayload(meta, None)
+    scheduler.add(line)
+    batch = scheduler.schedule()
+    scheduler.commit(batch)
+    chat.token_ids.append(9)
+    assert batch.kv_wanted == [line] and [(s.request_id, n) for s, n in batch.entries] == [("chat", 1)]
+    line.pending_kv = KVPayload(meta, np.zeros((1, 2, 16, 1, 4), dtype=np.float32))
+    scheduler.kv_arrived(line)
+    batch = scheduler.schedule()
+    scheduler.commit(batch)
+    chat.token_ids.append(9)
+    assert [(s.request_id, n) for s, n in batch.entries] == [("chat", 1)] and batch.kv_imports == []
+    assert line not in scheduler.running and line.block_table  # held with its blocks, not in a row
+    scheduler.add(sequence("long", 5, 2, 16))  # 4 blocks; 3 are free
+    batch = scheduler.schedule()
+    assert batch.preempted == [line] and [s.request_id for s in scheduler.waiting] == ["line"]
+    assert ("long", 16) in [(s.request_id, n) for s, n in batch.entries]
 
 
 @pytest.mark.slow
