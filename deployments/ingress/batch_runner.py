@@ -20,9 +20,9 @@ Priority and pacing: batch lines run at priority 5 as background requests (``Ori
 set by the sender): the engines run them only in steps no interactive request is in, whatever its
 priority, holding them (KV kept) while one waits or runs (engine/scheduler.py). So they take the
 capacity interactive traffic leaves, step by step. The runner sends no new line while an
-interactive request runs through its ingress (``busy``): a line sent then would be prefilled on P
-beside the interactive request's decode on D, whose CPU it takes on a small host; the lines
-already in flight wait in the engines. And it keeps them from filling the engines' seats and
+interactive request runs through its ingress (``busy``): a line sent then takes this ingress's
+time and, on a replica the interactive request is not on (P while it decodes on D), engine time
+on the host's cores; the lines already in flight wait in the engines. And it keeps them from filling the engines' seats and
 blocks when interactive traffic does: it reads the engines' queues (``probe``:
 interactive requests waiting at any P, D or colocated replica) and, while any waits, halves how
 many lines it keeps in flight (down to ``MIN_IN_FLIGHT``, so that a batch always ends); while none
