@@ -201,7 +201,8 @@ class Scheduler:
         """The running sequences' tokens, in order (those ranked at or past ``bound`` held), and waiting
         requests of higher rank admitted before the first they outrank: (the budget left, how many
         leading entries are one decode token)."""
-        ordered = sorted((s for s in self.running if s.rank < bound), key=lambda s: s.order_key)
+        runnable = self.running if bound == EVERY_RANK else [s for s in self.running if s.rank < bound]
+        ordered = sorted(runnable, key=lambda s: s.order_key)
         slots = self._all_decode(ordered, budget)
         if slots is not None:
             return self._schedule_decodes(batch, budget, ordered, slots)
