@@ -7,8 +7,8 @@ steady rate (Poisson arrivals, the load tester's client). Four phases, in this o
 2. the batch alone (``--lines`` chat lines through /v1/files and /v1/batches): its lines per second
    on an idle app;
 3. interactive again, with the same batch draining beside it: interactive p99 TTFT and TPOT
-   against phase 1 (target <= 1.1x), and the batch's lines per second while interactive traffic
-   runs against phase 2 (target >= 50%);
+   against phase 1 (target <= 1.2x, issue 56; the median and p90 too), and the batch's lines per
+   second while interactive traffic runs against phase 2 (target >= 50%);
 4. a restart mid-batch: the ingress replica SIGKILLed once some lines are done; Serve starts
    another, whose runner takes the batch back from the store; lines lost and answered twice in
    the output file (target 0 and 0).
@@ -37,7 +37,8 @@ from tools.loadgen import Work, arrival_gaps  # noqa: E402
 from tools.stats import summarize  # noqa: E402
 
 MODEL = "tiny-llama"
-KEPT = ("completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+KEPT = ("completed", "failed", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p90_tpot_ms",
+        "p99_tpot_ms")
 
 
 def batch_lines(count: int, max_tokens: int) -> bytes:
@@ -145,10 +146,11 @@ def main() -> None:
         print(json.dumps({"phase": "restart mid-batch", **report["restart"]}), flush=True)
 
     alone, shared = report["interactive_alone"], report["interactive_with_batch"]
-    report["ratios"] = {"p99_ttft_with_batch": shared["p99_ttft_ms"] / alone["p99_ttft_ms"],
-                        "p99_tpot_with_batch": shared["p99_tpot_ms"] / alone["p99_tpot_ms"],
-                        "batch_share_of_idle": report["batch_with_interactive"]["lines_per_s"]
-                        / report["batch_alone"]["lines_per_s"]}
+    # p99 of 60 requests is about their largest: the median and p90 ratios say what one outlier does not.
+    report["ratios"] = {f"{stat}_{metric}_with_batch": shared[f"{stat}_{metric}_ms"] / alone[f"{stat}_{metric}_ms"]
+                        for metric in ("ttft", "tpot") for stat in ("median", "p90", "p99")}
+    report["ratios"]["batch_share_of_idle"] = (report["batch_with_interactive"]["lines_per_s"]
+                                               / report["batch_alone"]["lines_per_s"])
     print(json.dumps({"ratios": report["ratios"]}), flush=True)
     write_json(args.json, report)
 

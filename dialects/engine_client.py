@@ -34,12 +34,15 @@ class ServedSettings:
 
 @dataclass(frozen=True)
 class Origin:
-    """Where a request came from, for its trace, its deadline and its key's token budget."""
+    """Where a request came from, for its trace, its deadline, its key's token budget and its class."""
 
     dialect: str  # "openai", "mindie", ...: the trace's label
     client_request_id: str | None  # the client's x-request-id header, if any
     arrival: float  # time.time() when the HTTP request arrived; timeouts count from it
     key_name: str = "default"  # the API key's name in the app's rate_limits, whose tokens it uses
+    # A Batch API line (the ingress's batch runner, never a client): its engine requests run in the
+    # steps no interactive request is in (GenerationRequest.background).
+    background: bool = False
 
 
 class Generation(Protocol):

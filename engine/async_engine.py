@@ -57,6 +57,7 @@ class EngineStats:
     dtype: str
     requests: int  # requests with a sequence here: running, waiting, or receiving their KV
     prefix_holds: int  # prefixes held for requests that have not come yet (engine/prefix_holds.py)
+    waiting_background: int = 0  # of the waiting, background ones (Batch API lines: engine/scheduler.py)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -192,14 +193,17 @@ class AsyncEngine:
     def _snapshot(self) -> EngineStats:
         scheduler, blocks, drafter = self.engine.scheduler, self.engine.blocks, self.engine.drafter
         waiting = {p: 0 for p in range(PRIORITY_MIN, PRIORITY_MAX + 1)}
+        background = 0
         for seq in scheduler.waiting:
             waiting[seq.priority] += 1
+            background += seq.background
         counts = blocks.counts()
         return EngineStats(counts.total, counts.held, counts.cached, waiting, len(scheduler.running),
                            dict(self._finished), blocks.prefix_queries, blocks.prefix_hits,
                            scheduler.num_prompt_tokens_computed, scheduler.queued_prompt_tokens(),
                            drafter.num_drafts, drafter.num_draft_tokens, drafter.num_accepted_tokens,
-                           self.engine.dtype, len(self.engine.active_request_ids()), len(self.engine.holds))
+                           self.engine.dtype, len(self.engine.active_request_ids()), len(self.engine.holds),
+                           background)
 
     def num_streams(self) -> int:
         """Callers' streams open now (read live: a stream closes on the caller's loop, after the last step)."""

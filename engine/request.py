@@ -63,6 +63,9 @@ class GenerationRequest:
     draft: DraftTokens | None = None  # speculative decoding with the caller's drafts
     prompt_lookup: bool | None = None  # speculative decoding by prompt lookup; None: the engine's default
     lora: LoraRef | None = None  # the LoRA adapter it runs with (engine/lora_adapter.py); the engine is given its weights
+    # A Batch API line (set by the ingress for its batch runner's requests, never by a client): it
+    # runs only in steps no other request is in, whatever its priority (engine/scheduler.py).
+    background: bool = False
 
     @property
     def context_token_ids(self) -> list[int]:
@@ -129,6 +132,7 @@ class Sequence:
         self.index = index  # choice index within the request
         self.params = request.params
         self.priority = request.priority
+        self.background = request.background
         self.deadline = deadline
         self.seed = seed
         self.mode = mode
@@ -208,9 +212,15 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def order_key(self) -> tuple[int, int, int]:
-        """Smaller is served first: priority, then arrival, then choice."""
-        return self.priority, self.arrival_index, self.index
+    def rank(self) -> tuple[bool, int]:
+        """Smaller is served first and may preempt larger: every foreground request before any
+        background one, then priority."""
+        return self.background, self.priority
+
+    @property
+    def order_key(self) -> tuple[bool, int, int, int]:
+        """Smaller is served first: rank, then arrival, then choice."""
+        return self.background, self.priority, self.arrival_index, self.index
 
     def clone(self, index: int) -> "Sequence":
         """A beam's copy: the same tokens and progress (its blocks shared by the caller), its own

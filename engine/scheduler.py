@@ -4,6 +4,13 @@ Policy:
 - order: priority 1..5 (1 first), FIFO within a level (``Sequence.order_key``). Priority is an
   order of service (the seeds' "1 is the highest"): a request enters the very next step
   whatever lower-priority work fills it;
+- background requests (Batch API lines, ``GenerationRequest.background``) rank below every
+  foreground one, whatever the priorities, and run only in steps no foreground request is in:
+  while one waits, its KV has just arrived, or it runs, a background request is not admitted
+  and a running one is held (in the running batch, its KV kept, no tokens this step), so the
+  foreground requests' steps are as short as if no batch ran. Once none is left the held ones
+  run on where they stopped. A background request whose KV comes from P is still admitted into
+  ``receiving`` (a fetch, no compute), so that P's copy is taken within its lease;
 - the step's token budget is handed out in that order: a decoding request takes 1 token
   (1 + k with k draft tokens to verify, as many as the budget leaves room for), a prefilling
   one a chunk of its prompt (chunked prefill). Within a level running requests come before
@@ -14,8 +21,9 @@ Policy:
   overtakes it;
 - when a running request cannot get a block, the lowest-priority, most recently arrived
   running request is preempted (blocks freed, requeued for recomputation), which may be the
-  request itself; a request never preempts one of higher priority. The first waiting request
-  preempts running requests of strictly lower priority, lowest and latest first, until it has
+  request itself; a request never preempts one of higher rank (``Sequence.rank``: foreground,
+  then priority). The first waiting request preempts running (or held) requests of strictly
+  lower rank, lowest and latest first, until it has
   the blocks for its first chunk and a seat in ``max_num_seqs``; a preempted request resumes
   from its prompt and generated tokens (prefix hits keep that cheap) and ends as it would have.
 - prefix caching: a waiting request first takes the cached blocks that hold its leading full
@@ -34,13 +42,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import heapq
+from itertools import chain
 import time
 
 import numpy as np
 
 from engine.block_manager import BlockManager
 from engine.execution.persistent_batch import PersistentBatch
-from engine.request import PRIORITY_MAX, PendingChoice, Sequence, SequenceStatus
+from engine.request import PRIORITY_MAX, PRIORITY_MIN, PendingChoice, Sequence, SequenceStatus
+
+Rank = tuple[bool, int]  # Sequence.rank: (background, priority); smaller is served first
+EVERY_RANK: Rank = (True, PRIORITY_MAX + 1)  # a bound above every rank: nothing held
+FOREGROUND_RANKS: Rank = (True, PRIORITY_MIN)  # a bound above foreground ranks only: background held
 
 
 @dataclass
@@ -70,10 +83,11 @@ class Scheduler:
         self.rows = rows if rows is not None else PersistentBatch(max_num_seqs, blocks.num_blocks, vocab_size=2**62)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []  # heap by order_key
+        self._waiting: list[tuple[tuple[bool, int, int, int], Sequence]] = []  # heap by order_key
         self.running: list[Sequence] = []
         self.receiving: list[Sequence] = []  # blocks held, KV bytes not here yet
-        self._arrived: list[Sequence] = []  # KV here: they join the running batch at the next step
+        # KV here: they join the running batch at the next step (a background one at the first it may run in)
+        self._arrived: list[Sequence] = []
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not hits, not imports)
 
@@ -85,7 +99,8 @@ class Scheduler:
         """Whether a step can make progress. A sequence that waits for its KV cannot, and while
         one holds blocks nothing waiting can be admitted that was not at the last step (new
         requests and arriving KV wake the engine's loop, which then steps)."""
-        return bool(self.running or self._arrived or (self._waiting and not self.receiving))
+        runnable_arrivals = any(seq.rank < self._step_bound() for seq in self._arrived)
+        return bool(self.running or runnable_arrivals or (self._waiting and not self.receiving))
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens still to run through the model: waiting prompts (not those whose KV comes
@@ -154,27 +169,40 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        bound = self._step_bound()  # ranks at or past it are held this step
         self._preempt_for_waiting(batch)
         preempted_for_waiting = len(batch.preempted)
-        for seq in self._arrived:  # imported before this step's forward, then computed like the rest
+        # Imported before this step's forward, then computed like the rest; a held one stays (its
+        # import needs a forward to run in), preemptible for a waiting request's blocks.
+        joining = [seq for seq in self._arrived if seq.rank < bound]
+        self._arrived = [seq for seq in self._arrived if seq.rank >= bound]
+        for seq in joining:
             batch.kv_imports.append((seq, seq.kv_import_from))
             seq.status = SequenceStatus.RUNNING
             self._run(seq)
-        self._arrived = []
-        budget, decodes = self._schedule_running(batch, budget)
+        budget, decodes = self._schedule_running(batch, budget, bound)
         # Running requests that lost blocks this step come before anything new.
         if len(batch.preempted) == preempted_for_waiting:
-            self._admit(batch, budget)
+            self._admit(batch, budget, bound, fetch_held=True)
         rest = batch.entries[decodes:]  # the leading ``decodes`` entries are one decode token each
         batch.drafted = [0] * decodes + [max(0, seq.num_computed_tokens + n - seq.num_tokens) for seq, n in rest]
         batch.sampling = [True] * decodes + [seq.num_computed_tokens + n >= seq.num_tokens for seq, n in rest]
         self._mark_decode(batch)
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, int]:
-        """The running sequences' tokens, in order, and waiting requests of higher priority admitted
-        before the first they outrank: (the budget left, how many leading entries are one decode token)."""
-        ordered = sorted(self.running, key=lambda s: s.order_key)
+    def _step_bound(self) -> Rank:
+        """The rank bound of this step: background requests are held while a foreground one waits,
+        has its KV just arrived, or runs (a foreground one waits at the heap's head if any does)."""
+        foreground = ((self._waiting and not self._waiting[0][1].background)
+                      or any(not seq.background for seq in chain(self.running, self._arrived)))
+        return FOREGROUND_RANKS if foreground else EVERY_RANK
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, bound: Rank) -> tuple[int, int]:
+        """The running sequences' tokens, in order (those ranked at or past ``bound`` held), and waiting
+        requests of higher rank admitted before the first they outrank: (the budget left, how many
+        leading entries are one decode token)."""
+        runnable = self.running if bound == EVERY_RANK else [s for s in self.running if s.rank < bound]
+        ordered = sorted(runnable, key=lambda s: s.order_key)
         slots = self._all_decode(ordered, budget)
         if slots is not None:
             return self._schedule_decodes(batch, budget, ordered, slots)
@@ -184,9 +212,9 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if may_overtake and self._waiting and self._waiting[0][1].priority < seq.priority:
-                budget = self._admit(batch, budget, below=seq.priority)  # its chunk before this one's
-                may_overtake = not (self._waiting and self._waiting[0][1].priority < seq.priority)
+            if may_overtake and self._waiting and self._waiting[0][1].rank < seq.rank:
+                budget = self._admit(batch, budget, below=seq.rank)  # its chunk before this one's
+                may_overtake = not (self._waiting and self._waiting[0][1].rank < seq.rank)
                 if budget == 0:
                     break
             n = self._new_tokens(seq, seq.num_computed_tokens, budget)
@@ -204,7 +232,7 @@ class Scheduler:
         one token, admitting nothing between them); else None."""
         if not ordered or len(ordered) > budget:
             return None
-        if self._waiting and self._waiting[0][1].priority < max(seq.priority for seq in ordered):
+        if self._waiting and self._waiting[0][1].rank < max(seq.rank for seq in ordered):
             return None
         if any(seq.step_drafts is not None and seq.step_drafts.token_ids for seq in ordered):
             return None
@@ -246,11 +274,14 @@ class Scheduler:
         batch.decode_only = bool((one & (rows.num_computed[batch.slots] >= rows.num_prompt[batch.slots])
                                   & (rows.num_computed[batch.slots] + 1 == rows.num_tokens[batch.slots])).all())
 
-    def _admit(self, batch: ScheduledBatch, budget: int, below: int = PRIORITY_MAX + 1) -> int:
-        """Admit waiting requests of priority under ``below`` in order; the budget left."""
-        while self._waiting and budget > 0 and self._waiting[0][1].priority < below \
-                and self._has_room_for(self._waiting[0][1]):
+    def _admit(self, batch: ScheduledBatch, budget: int, below: Rank, fetch_held: bool = False) -> int:
+        """Admit waiting requests ranked under ``below`` in order; the budget left. ``fetch_held``: one
+        ranked past it whose KV is still to come from P is admitted too, into ``receiving`` (a fetch
+        runs no step; it joins the running batch once it may run)."""
+        while self._waiting and budget > 0 and self._has_room_for(self._waiting[0][1]):
             seq = self._waiting[0][1]
+            if seq.rank >= below and not (fetch_held and seq.pending_kv is not None and seq.pending_kv.data is None):
+                break
             hits = self._prefix_hits(seq)
             hit_tokens = len(hits) * self.blocks.block_size
             computed, n = self._first_chunk(seq, hit_tokens, budget)
@@ -306,28 +337,36 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Preempt until ``seq`` can grow by n tokens; False if ``seq`` itself was preempted."""
         while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
-            victim = max(self.running, key=lambda s: s.order_key)
+            victim = max(self._preemptible(), key=lambda s: s.order_key)
             self._preempt(victim, batch)
             if victim is seq:
                 return False
         return True
 
     def _preempt_for_waiting(self, batch: ScheduledBatch) -> None:
-        """Free blocks and a seat for the first waiting request by preempting lower-priority running ones."""
+        """Free blocks and a seat for the first waiting request by preempting lower-ranked running (or
+        held) ones."""
         if not self._waiting:
             return
         head = self._waiting[0][1]
         hits = self._prefix_hits(head)
         computed, n = self._first_chunk(head, len(hits) * self.blocks.block_size, self.max_num_batched_tokens)
         while not (self.blocks.can_allocate(head, computed + n, hits) and self._has_room_for(head)):
-            lower = [s for s in self.running if s.priority > head.priority]
+            lower = [s for s in self._preemptible() if s.rank > head.rank]
             if not lower:
                 return
             self._preempt(max(lower, key=lambda s: s.order_key), batch)
 
+    def _preemptible(self) -> list[Sequence]:
+        """The running sequences, and the background ones held with their KV just arrived."""
+        return self.running + [s for s in self._arrived if s.background]
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        self.running.remove(seq)
-        self.rows.leave(seq)
+        if seq in self._arrived:  # held with its KV here: not in the running batch's rows
+            self._arrived.remove(seq)
+        else:
+            self.running.remove(seq)
+            self.rows.leave(seq)
         self.blocks.free(seq)
         # A sequence whose KV just arrived keeps it in pending_kv and imports it on readmission.
         batch.kv_imports = [(s, first) for s, first in batch.kv_imports if s is not seq]

@@ -124,14 +124,23 @@ def test_a_batch_stays_with_its_driver_until_the_lease_runs_out(tmp_path):
     assert store.claim("second", lease_s=0.3) == []
 
 
+def stored_batch(tmp_path, lines: list[str]) -> tuple[BatchStore, dict]:
+    """A store holding a batch of ``lines``, as created (validating)."""
+    store = BatchStore(tmp_path)
+    store.add_file(file_object("file-in", "in.jsonl", "batch", 1), "\n".join(lines).encode())
+    return store, store.add_batch(new_batch(CreateBatchRequest(input_file_id="file-in", endpoint=CHAT,
+                                                                completion_window="24h")), "default")
+
+
+async def no_queue():
+    return 0
+
+
 def run_batch(tmp_path, lines: list[str], answers: dict) -> tuple[BatchStore, dict, Counter, list[int]]:
     """A batch of ``lines`` driven to its end by a runner whose ``send`` answers each custom_id with
     the next of ``answers[custom_id]`` ((status, body), or an exception to raise); the store, the
     batch, how many times each custom_id was sent and the statuses retried."""
-    store = BatchStore(tmp_path)
-    store.add_file(file_object("file-in", "in.jsonl", "batch", 1), "\n".join(lines).encode())
-    batch = store.add_batch(new_batch(CreateBatchRequest(input_file_id="file-in", endpoint=CHAT,
-                                                         completion_window="24h")), "default")
+    store, batch = stored_batch(tmp_path, lines)
     sent, retried = Counter(), []
 
     async def send(endpoint, body, key_name):
@@ -141,9 +150,6 @@ def run_batch(tmp_path, lines: list[str], answers: dict) -> tuple[BatchStore, di
         if isinstance(answer, Exception):
             raise answer
         return answer[0], answer[1], 0.0 if answer[0] in (429, 503) else None
-
-    async def no_queue():
-        return 0
 
     runner = BatchRunner(store, send, no_queue, "me", max_in_flight=4, lease_s=10.0, poll_s=0.05,
                          on_retry=retried.append)
@@ -237,3 +243,26 @@ def test_a_request_is_its_listed_keys_and_listed_keys_pass_the_api_key_check():
         check_api_key(["sk-main", *limits.api_keys()], {"authorization": "Bearer sk-else"})
     with pytest.raises(ValueError):
         RateLimits.model_validate({"keys": {"team": {"key": "sk-t", "rpm": 0}}})
+
+
+def test_no_line_is_sent_while_interactive_requests_run_and_every_line_once_they_end(tmp_path):
+    """The runner's ``busy``: while interactive requests run through its ingress it sends nothing
+    (the engines hold the lines in flight); once they end the batch runs to its end."""
+    store, batch = stored_batch(tmp_path, [ask(c) for c in "abc"])
+    events: list[str] = []
+    interactive_polls = iter(range(5))  # interactive requests run for the runner's first 5 looks
+
+    def busy() -> bool:
+        running = next(interactive_polls, None) is not None
+        events.append("busy" if running else "idle")
+        return running
+
+    async def send(endpoint, body, key_name):
+        events.append("sent")
+        return OK[0], OK[1], None
+
+    runner = BatchRunner(store, send, no_queue, "me", max_in_flight=4, lease_s=10.0, poll_s=0.05, busy=busy)
+    asyncio.run(runner.drive(batch["id"]))
+    assert events[:6] == ["busy"] * 5 + ["idle"]  # the first line waited out the interactive requests
+    assert events.count("sent") == 3 and "busy" not in events[events.index("sent"):]
+    assert store.batch(batch["id"])["request_counts"] == {"total": 3, "completed": 3, "failed": 0}

@@ -20,10 +20,11 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def sequence(rid: str, priority: int, arrival: int, prompt_len: int) -> Sequence:
+def sequence(rid: str, priority: int, arrival: int, prompt_len: int, background: bool = False) -> Sequence:
     """A request whose prompt shares no block with another's (no prefix hits)."""
     first = 1000 * arrival
-    request = GenerationRequest(rid, list(range(first, first + prompt_len)), greedy(100), priority=priority)
+    request = GenerationRequest(rid, list(range(first, first + prompt_len)), greedy(100), priority=priority,
+                                background=background)
     return Sequence(request, seed=1, arrival_index=arrival, mode=Mode.GENERATE, deadline=time.time() + 60)
 
 

@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 import time
-from typing import Literal
+from typing import Callable, Literal
 import uuid
 
 from fastapi import APIRouter, FastAPI, File, Form, Query, Request, UploadFile
@@ -47,10 +47,12 @@ class BatchService:
     task: asyncio.Task  # the runner's, held here: the event loop keeps only a weak reference to it
 
 
-def serve_batches(app: FastAPI, args: AppArgs, engine_handles: dict, metrics: IngressMetrics) -> RateLimiter:
+def serve_batches(app: FastAPI, args: AppArgs, engine_handles: dict, metrics: IngressMetrics,
+                  interactive_running: Callable[[], bool]) -> RateLimiter:
     """Set up the store, the rate limiter and the runner in this ingress replica (``app.state`` of
     ``app``, the app the replica serves), and start the runner; returns the limiter.
-    ``engine_handles``: the engine deployments whose queues pace the runner."""
+    ``engine_handles``: the engine deployments whose queues pace the runner; ``interactive_running``:
+    whether interactive requests run through this replica now (the runner sends no line then)."""
     app_name = serve.get_replica_context().app_name
     limiter = RateLimiter(args.rate_limits, app_name, metrics.registry)
     app.state.rate_limits = limiter
@@ -62,7 +64,8 @@ def serve_batches(app: FastAPI, args: AppArgs, engine_handles: dict, metrics: In
                       registry=metrics.registry)
     runner = BatchRunner(store, in_process_sender(app, args.api_key.get_secret_value() if args.api_key else None),
                          engines_waiting(engine_handles), f"ingress-{uuid.uuid4().hex}", args.batch_max_in_flight,
-                         args.batch_lease_s, on_retry=lambda status: retries.labels(str(status)).inc())
+                         args.batch_lease_s, on_retry=lambda status: retries.labels(str(status)).inc(),
+                         busy=interactive_running)
     task = asyncio.get_running_loop().create_task(runner.run())
     app.state.batches = BatchService(store, runner, files_api.UploadLimits(args.max_file_bytes, args.max_batch_lines),
                                      task)
@@ -72,12 +75,13 @@ def serve_batches(app: FastAPI, args: AppArgs, engine_handles: dict, metrics: In
 def in_process_sender(app: FastAPI, api_key: str | None):
     """A batch line sent to this replica's own app, in process: the route, validation, admission and
     limits a client's request meets, counted against the batch's key (``rate_key``, which no
-    client can set)."""
+    client can set), and marked a batch line (``batch_line``: its engine requests are background,
+    engine/scheduler.py)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def send(endpoint: str, body: dict, key_name: str) -> tuple[int, dict, float | None]:
         async def as_key(scope, receive, send_):
-            scope["state"] = {**scope.get("state", {}), "rate_key": key_name}
+            scope["state"] = {**scope.get("state", {}), "rate_key": key_name, "batch_line": True}
             await app(scope, receive, send_)
 
         transport = httpx.ASGITransport(app=as_key, raise_app_exceptions=False)
@@ -90,14 +94,15 @@ def in_process_sender(app: FastAPI, api_key: str | None):
 
 
 def engines_waiting(handles: dict):
-    """The requests waiting in the engines now (one replica of each deployment asked)."""
+    """The foreground requests waiting in the engines now (one replica of each deployment asked): the
+    batch's own lines wait there whenever an interactive request runs, and are not counted."""
     async def probe() -> int:
         try:
             stats = await asyncio.wait_for(asyncio.gather(*(h.stats.remote() for h in handles.values())),
                                            PROBE_TIMEOUT_S)
         except Exception:  # a busy or restarting engine: treated as a queue, so the batch backs off
             return 1
-        return sum(sum(s.waiting_by_priority.values()) for s in stats)
+        return sum(sum(s.waiting_by_priority.values()) - s.waiting_background for s in stats)
     return probe
 
 

@@ -16,11 +16,17 @@ whose lease is its own or has run out (deployments/ingress/batch_store.py) and d
                  written as batch_cancelled; cancelled
     expired      past expires_at: as cancelling, with batch_expired
 
-Priority and pacing: batch lines run at priority 5, the lowest (interactive requests default to
-it too), and take only the capacity interactive traffic leaves: the runner reads the engines'
-queues (``probe``: requests waiting at any P, D or colocated replica) and, while any request
-waits, halves how many lines it keeps in flight (down to ``MIN_IN_FLIGHT``, so that a batch
-always ends); while none waits it adds one per poll up to ``max_in_flight``.
+Priority and pacing: batch lines run at priority 5 as background requests (``Origin.background``,
+set by the sender): the engines run them only in steps no interactive request is in, whatever its
+priority, holding them (KV kept) while one waits or runs (engine/scheduler.py). So they take the
+capacity interactive traffic leaves, step by step. The runner sends no new line while an
+interactive request runs through its ingress (``busy``): a line sent then takes this ingress's
+time and, on a replica the interactive request is not on (P while it decodes on D), engine time
+on the host's cores; the lines already in flight wait in the engines. And it keeps them from filling the engines' seats and
+blocks when interactive traffic does: it reads the engines' queues (``probe``:
+interactive requests waiting at any P, D or colocated replica) and, while any waits, halves how
+many lines it keeps in flight (down to ``MIN_IN_FLIGHT``, so that a batch always ends); while none
+waits it adds one per poll up to ``max_in_flight``.
 
 Each line is sent once. Only an answer of 429 (its key's limits) or 503 (overloaded, not ready)
 sends it again, after its Retry-After: each such retry is counted (``on_retry``, the metric
@@ -47,17 +53,20 @@ logger = logging.getLogger("ray.serve")
 
 # send(endpoint, body, key_name) -> (status, JSON body, Retry-After seconds or None)
 Send = Callable[[str, dict, str], Awaitable[tuple[int, dict, float | None]]]
-Probe = Callable[[], Awaitable[int]]  # requests waiting in the engines now
+Probe = Callable[[], Awaitable[int]]  # interactive requests waiting in the engines now
+Busy = Callable[[], bool]  # whether interactive requests run through this ingress now
 OnRetry = Callable[[int], None]  # a line sent again after this status
 MIN_IN_FLIGHT = 1
 RETRIED_STATUSES = (429, 503)  # the line waits and is sent again
 RETRY_FLOOR_S = 0.5
+BUSY_POLL_S = 0.02  # how soon after the last interactive request ends the next line is sent
 
 
 class BatchRunner:
     def __init__(self, store: BatchStore, send: Send, probe: Probe, owner: str, max_in_flight: int,
-                 lease_s: float, poll_s: float = 0.5, on_retry: OnRetry = lambda status: None) -> None:
-        self.store, self.send, self.probe, self.owner = store, send, probe, owner
+                 lease_s: float, poll_s: float = 0.5, on_retry: OnRetry = lambda status: None,
+                 busy: Busy = lambda: False) -> None:
+        self.store, self.send, self.probe, self.owner, self.busy = store, send, probe, owner, busy
         self.on_retry = on_retry
         self.max_in_flight, self.lease_s, self.poll_s = max_in_flight, lease_s, poll_s
         self.allowed = max_in_flight  # lines in flight the pacing allows now
@@ -135,6 +144,8 @@ class BatchRunner:
                 for line, custom_id, body in pending:
                     while self.in_flight >= self.allowed and not self._stopping(batch_id):
                         await asyncio.sleep(self.poll_s / 5)
+                    while self.busy() and not self._stopping(batch_id):
+                        await asyncio.sleep(BUSY_POLL_S)
                     if self._stopping(batch_id):
                         break
                     self.in_flight += 1

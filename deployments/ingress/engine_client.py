@@ -45,6 +45,9 @@ class ServeEngineClient:
         self._lora_shape: ModelShape | None = None
         # (key name, tokens) counted against the key: RateLimiter.charge (None: no per-key limits)
         self.charge: Callable[[str, int], None] | None = None
+        # Engine requests of interactive origins (not batch lines) running now: the batch runner
+        # sends no new line while any does (deployments/ingress/batch_runner.py).
+        self.interactive_in_flight = 0
 
     async def model_info(self) -> ModelInfo:
         """What the engines serve; a 503 within ENGINE_WAIT_S while none of them answers.
@@ -81,6 +84,7 @@ class ServeEngineClient:
         flows: list[RequestFlow] = []
         generation = ServeGeneration(flows, queue)
         for index, request in enumerate(requests):
+            request.background = origin.background  # a batch line's requests yield to interactive ones
             try:
                 ticket = self.admission.admit(request)
             except Overloaded as error:  # at once, never a wait: deployments/ingress/admission.py
@@ -91,15 +95,17 @@ class ServeEngineClient:
             if self.charge is not None:
                 self.charge(origin.key_name, request.num_context_tokens)
             flows.append(RequestFlow(index, request, lambda r, trace=trace: self.backend.stream(r, trace), trace,
-                                     ticket, self.max_migrations, self._ended(origin.key_name), queue))
+                                     ticket, self.max_migrations, self._ended(origin), queue))
+            self.interactive_in_flight += not origin.background
         return await started(generation, flows)
 
-    def _ended(self, key_name: str):
+    def _ended(self, origin: Origin):
         """A flow's end: its trace recorded, its generated tokens charged to its key."""
         def end(flow: RequestFlow, outcome: str) -> None:
+            self.interactive_in_flight -= not origin.background
             self.end_trace(flow.trace, outcome)
             if self.charge is not None:
-                self.charge(key_name, flow.generated)
+                self.charge(origin.key_name, flow.generated)
         return end
 
     async def lora_names(self) -> dict[str, LoraRef]:

@@ -52,9 +52,12 @@ def served_settings(args: AppArgs, pd: bool, serves_lora: bool) -> ServedSetting
 
 
 def origin(http: Request, dialect: str, priority: int) -> Origin:
-    """The request's origin for its trace; its priority labels the request counter (http_app.py)."""
+    """The request's origin for its trace; its priority labels the request counter (http_app.py).
+    A batch line is marked in its ASGI scope's state by the runner's sender (batch_routes.py), which
+    no client reaches."""
     http.state.priority = priority
-    return Origin(dialect, http.headers.get("x-request-id"), http.state.arrival, http.state.rate_key)
+    return Origin(dialect, http.headers.get("x-request-id"), http.state.arrival, http.state.rate_key,
+                  getattr(http.state, "batch_line", False))
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -84,7 +87,8 @@ class Ingress:
         app.state.max_body_bytes = args.max_body_bytes
         app.state.api_key = args.api_key.get_secret_value() if args.api_key is not None else None
         # /v1/files, /v1/batches and per-key limits; each engine request's tokens count against its key
-        self.engines.charge = serve_batches(app, args, self.backend.handles, self.metrics).charge
+        self.engines.charge = serve_batches(app, args, self.backend.handles, self.metrics,
+                                            lambda: self.engines.interactive_in_flight > 0).charge
         self._openapi: dict | None = None
         self.responses = responses.ResponseStore()  # /v1/responses' stored responses: this replica's only
         self.readiness = Readiness(self.backend, embedder)
