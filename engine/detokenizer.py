@@ -66,8 +66,9 @@ class IncrementalDetokenizer:
         if piece:
             self.text += piece
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        if not self.stop:  # nothing to look for, nothing held back
-            return self._release(len(self.text)), False
+        if not self.stop:  # nothing to look for, nothing held back: the piece is released whole
+            self.released = len(self.text)
+            return piece or "", False
         if self._cut_at_stop():
             self.stopped = True
             return self._release(len(self.text)), True
