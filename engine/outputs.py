@@ -106,8 +106,10 @@ class RequestOutput:
 
 
 def output_base(**values) -> dict:
-    """Every field of a ``RequestOutput``: its default, or ``values``' (the fields that stay the
-    same over a sequence's outputs). A dict to copy and fill for each output (``new_output``)."""
+    """The fields of a ``RequestOutput`` with a plain default, or ``values``' (the fields that stay
+    the same over a sequence's outputs): a dict to copy and fill for each output (``new_output``).
+    A field made by a factory (``logprobs``) is not in it: each copy sets its own, never one list
+    shared by all."""
     base = {f.name: f.default for f in fields(RequestOutput) if f.default is not MISSING}
     return base | values
 

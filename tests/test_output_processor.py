@@ -22,9 +22,11 @@ def test_an_output_from_its_base_equals_the_dataclass_made_with_keywords():
     made = new_output(base | {k: v for k, v in given.items() if k not in base or base[k] != v})
     assert made == RequestOutput(**given)
     assert set(vars(made)) == {f.name for f in fields(RequestOutput)}
-    other = new_output(base.copy())
+    assert "logprobs" not in base  # a factory's field: each output's own list
+    other = new_output(base | {"logprobs": []})
     other.text = "changed"
-    assert base["text"] is None and made.text is None
+    other.logprobs.append(logprob)
+    assert base["text"] is None and made.text is None and made.logprobs == [logprob]
 
 
 def test_a_requests_outputs_keep_its_clock_and_are_objects_of_their_own():
