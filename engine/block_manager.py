@@ -69,6 +69,9 @@ class BlockManager:
         self._cached: OrderedDict[int, None] = OrderedDict()  # ref 0 and keyed, oldest first
         self.prefix_queries = 0  # tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
         self.prefix_hits = 0  # of those, tokens found
+        # Keys given up so far (a block evicted or reset): a block left unkeyed because another held
+        # its key may take it only after one (``cache_full_blocks``).
+        self.keys_dropped = 0
 
     # ---- counts ------------------------------------------------------------------------
 
@@ -185,6 +188,10 @@ class BlockManager:
         first = seq.num_keyed_blocks
         if num_full <= first:  # most decode steps: no block filled since the last
             return
+        # Blocks left unkeyed at the last look (their keys other blocks') stay so until a block
+        # fills or some key is given up: until then another look would change nothing.
+        if seq.keys_looked_at == (num_full, self.keys_dropped):
+            return
         hashes = self.block_hashes(seq, num_full)
         for i in range(first, num_full):
             block, key = seq.block_table[i], hashes[i]
@@ -197,14 +204,16 @@ class BlockManager:
             if first == i and self.block_key[block] is not None:
                 first += 1
         seq.num_keyed_blocks = first
+        seq.keys_looked_at = (num_full, self.keys_dropped)
 
     def cache_filled_blocks(self, seqs: list[Sequence]) -> None:
         """``cache_full_blocks`` for each of ``seqs`` whose computed tokens reach past its keyed blocks."""
         if not self.enable_prefix_caching:
             return
-        size = self.block_size
+        size, dropped = self.block_size, self.keys_dropped
         for seq in seqs:
-            if min(seq.num_computed_tokens, seq.num_tokens) // size > seq.num_keyed_blocks:
+            num_full = min(seq.num_computed_tokens, seq.num_tokens) // size
+            if num_full > seq.num_keyed_blocks and seq.keys_looked_at != (num_full, dropped):
                 self.cache_full_blocks(seq)
 
     def free(self, seq: Sequence) -> None:
@@ -213,6 +222,7 @@ class BlockManager:
         self.release(reversed(seq.block_table))
         seq.block_table = []
         seq.num_keyed_blocks = 0
+        seq.keys_looked_at = None
 
     def hold(self, blocks: list[int]) -> None:
         """One more reference to each of ``blocks`` (cached ones are revived): none is evicted
@@ -270,5 +280,6 @@ class BlockManager:
 
     def _unkey(self, block: int) -> int:
         del self._by_key[self.block_key[block]]
+        self.keys_dropped += 1
         self.block_key[block] = None
         return block

@@ -62,12 +62,19 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> tuple[str, bool]:
         """Add one token; return (the newly released text, whether a stop string matched)."""
         self.ids.append(token_id)
-        piece = self._stream_piece(token_id) if self._stream is not None else self._window_piece()
+        if self._stream is not None:  # the Rust stream (its call inline: this runs for every row at every step)
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:  # it refused the window: see _stream_refused
+                piece = self._stream_refused()
+        else:
+            piece = self._window_piece()
         if piece:
             self.text += piece
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        if not self.stop:  # nothing to look for, nothing held back
-            return self._release(len(self.text)), False
+        if not self.stop:  # nothing to look for, nothing held back: the piece is released whole
+            self.released = len(self.text)
+            return piece or "", False
         if self._cut_at_stop():
             self.stopped = True
             return self._release(len(self.text)), True
@@ -82,15 +89,13 @@ class IncrementalDetokenizer:
             return after[len(before):]
         return None
 
-    def _stream_piece(self, token_id: int) -> str | None:
-        """``_window_piece`` by the Rust stream, which keeps the same two offsets. It refuses a
+    def _stream_refused(self) -> str | None:
+        """The Rust stream computes ``_window_piece`` with the same two offsets, but refuses a
         window whose longer decode does not start with the shorter (where the Python slice takes
-        the tail by length): from then on this detokenizer decodes in Python."""
-        try:
-            return self._stream.step(self._backend, token_id)
-        except Exception:  # tokenizers raises a bare Exception ("Invalid prefix encountered")
-            self._stream = None
-            return self._window_piece()
+        the tail by length; tokenizers raises a bare Exception, "Invalid prefix encountered"):
+        from then on this detokenizer decodes in Python."""
+        self._stream = None
+        return self._window_piece()
 
     def finish(self) -> str:
         """Reconcile with a full decode (unless a stop string cut the text) and release the rest."""

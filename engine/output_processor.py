@@ -22,7 +22,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.execution.model_runner import ModelRunner, StepResult
 from engine.execution.persistent_batch import PersistentBatch
 from engine.kv_transfer import KVPayload
-from engine.outputs import ABORT, EOS, LENGTH, STOP, ChoiceStart, PrefillResult, RequestOutput, Sampled, TokenLogprob
+from engine.outputs import (ABORT, EOS, LENGTH, STOP, ChoiceStart, PrefillResult, RequestOutput, Sampled, TokenLogprob,
+                            new_output, output_base)
 from engine.request import Mode, PendingChoice, Sequence
 from sampling import SamplerOutput, SamplingParams
 from sampling.grammar import GrammarCompiler, GrammarDeadEnd, Matcher, MatcherState
@@ -45,6 +46,9 @@ class OutputProcessor:
     rows: PersistentBatch  # a running sequence's columns: its appended tokens are written there
     detokenizers: dict[SequenceKey, IncrementalDetokenizer] = field(default_factory=dict, init=False)
     matchers: dict[SequenceKey, MatcherState] = field(default_factory=dict, init=False)  # made on first use
+    # A sequence's output fields that no later output changes (``output_base``), once it is
+    # scheduled and has its first token.
+    output_bases: dict[SequenceKey, dict] = field(default_factory=dict, init=False)
 
     # ---- per-sequence state ---------------------------------------------------------------
 
@@ -66,6 +70,7 @@ class OutputProcessor:
         """seq has ended: drop its text and grammar state (beams after the first have no detokenizer)."""
         self.detokenizers.pop(seq.key, None)
         self.matchers.pop(seq.key, None)
+        self.output_bases.pop(seq.key, None)
 
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
         """A detokenizer that has seen seq's output so far (a resumed request's earlier tokens,
@@ -216,17 +221,27 @@ class OutputProcessor:
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob],
                 finished: bool, logits: np.ndarray | None = None) -> RequestOutput:
-        wants_logprobs = seq.params.logprobs is not None
         num_output = seq.num_output_tokens
-        first_token = bool(tokens) and num_output == 1
-        return RequestOutput(
-            request_id=seq.request_id, new_token_ids=tokens, new_text=text, num_output_tokens=num_output,
-            finished=finished, finish_reason=seq.finish_reason, seed=seq.seed, logprobs=logprobs,
-            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-            first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
-            scheduled_time=seq.scheduled_time, index=seq.index,
-            prompt_logprobs=seq.prompt_logprobs if first_token else None,
-            context_logits=context_logits(seq) if first_token else None, generation_logits=logits)
+        base = self.output_bases.get(seq.key)
+        if base is None:
+            base = output_base(request_id=seq.request_id, seed=seq.seed, first_token_time=seq.first_token_time,
+                               arrival_time=seq.arrival_time, scheduled_time=seq.scheduled_time, index=seq.index)
+            if seq.first_token_time is not None and seq.scheduled_time is not None:  # set once, never changed
+                self.output_bases[seq.key] = base
+        values = base.copy()
+        values["new_token_ids"] = tokens
+        values["new_text"] = text
+        values["num_output_tokens"] = num_output
+        values["finished"] = finished
+        values["finish_reason"] = seq.finish_reason
+        values["logprobs"] = logprobs
+        if seq.params.logprobs is not None:
+            values["cumulative_logprob"] = seq.cumulative_logprob
+        if tokens and num_output == 1:  # the first token's output
+            values["prompt_logprobs"] = seq.prompt_logprobs
+            values["context_logits"] = context_logits(seq)
+        values["generation_logits"] = logits
+        return new_output(values)
 
     # ---- PREFILL's hand-over to D ---------------------------------------------------------
 

@@ -172,6 +172,8 @@ class Sequence:
         self.step_drafts = None  # StepDrafts the next step verifies (engine/decoding/speculative.py), set before each step
         self.block_hashes: list[bytes] = []  # chained keys of the full blocks, memoised (tokens never change)
         self.num_keyed_blocks = 0  # leading blocks of block_table known keyed (BlockManager.cache_full_blocks)
+        # (full blocks, keys dropped in the pool) at its last look (BlockManager.cache_full_blocks), None before
+        self.keys_looked_at: tuple[int, int] | None = None
         # Prompt scores, by position (position 0 has none), filled as the prompt's chunks run;
         # None unless asked for. DECODE mode never scores: P did, and sent them to the client.
         self.prompt_logprobs: list | None = None
@@ -232,6 +234,7 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.block_table = []
         child.num_keyed_blocks = 0
+        child.keys_looked_at = None
         child.block_hashes = list(self.block_hashes)  # keys of shared full blocks; each extends its own
         return child
 

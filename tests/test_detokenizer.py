@@ -94,3 +94,21 @@ def test_stream_releases_the_windows_pieces(tokenizer, skip_special_tokens):
         detok = IncrementalDetokenizer(tokenizer, stop=[], skip_special_tokens=skip_special_tokens)
         assert [detok.add(i)[0] for i in ids] == window_pieces(tokenizer, ids, skip_special_tokens), ids
         assert detok._stream is not None  # the Rust stream released them, not the Python fallback
+
+
+def test_a_window_the_stream_refuses_goes_on_in_python_from_the_same_offsets(tokenizer):
+    """Where the Rust stream raises (its "invalid prefix"), that token and every later one take the
+    Python window, from the offsets the stream had reached: the pieces stay the window's."""
+    ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=[])
+    pieces = [detok.add(i)[0] for i in ids[:7]]
+
+    class Refusing:
+        def step(self, tokenizer, token_id):
+            raise Exception("Invalid prefix encountered")
+
+    detok._stream = Refusing()
+    pieces += [detok.add(i)[0] for i in ids[7:]]
+    assert detok._stream is None
+    assert pieces == window_pieces(tokenizer, ids, True)
+    assert "".join(pieces) + detok.finish() == TEXTS[0]

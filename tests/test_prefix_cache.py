@@ -299,3 +299,44 @@ def test_a_block_whose_key_another_holds_is_keyed_once_that_one_is_evicted():
     twin.num_computed_tokens = 6
     blocks.cache_full_blocks(twin)  # a later step: twin's block now carries the key
     assert blocks.computed_prefix(seq_of([1, 2, 3, 4, 9], "probe")) == [twin.block_table[0]]
+
+
+def test_a_block_left_unkeyed_is_looked_at_again_only_once_a_key_is_dropped_or_a_block_fills():
+    """The decode steps' commit looks at a sequence whose block another's key left unkeyed only when
+    that look can key something: after some key is given up, or when a block fills."""
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    first, twin = seq_of([1, 2, 3, 4, 5], "first"), seq_of([1, 2, 3, 4, 6], "twin")
+    fill(blocks, first)
+    fill(blocks, twin)
+    looks = []
+    hashes = blocks.block_hashes
+    blocks.block_hashes = lambda seq, n: looks.append((seq.request_id, n)) or hashes(seq, n)
+
+    def decode(seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        blocks.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        blocks.cache_filled_blocks([seq])
+
+    decode(twin, 7)
+    assert looks == [] and blocks.block_key[twin.block_table[0]] is None
+    other = seq_of([50, 51, 52, 53, 54], "other")
+    fill(blocks, other)
+    blocks.free(other)  # its full block cached, its tail free
+    looks.clear()
+    evicts = seq_of(list(range(20, 36)), "evicts")
+    blocks.allocate(evicts, 16)  # the three free blocks, then other's: its key is dropped
+    blocks.free(evicts)
+    decode(twin, 8)  # a look: twin's block still unkeyed (first's holds the key)
+    assert looks == [("twin", 1)] and blocks.block_key[twin.block_table[0]] is None
+    decode(twin, 9)  # twin fills its second block: a look, which keys that one
+    assert looks == [("twin", 1), ("twin", 2)] and blocks.block_key[twin.block_table[1]] is not None
+    looks.clear()
+    decode(twin, 10)
+    blocks.reset_prefix_cache()  # nothing cached: no key dropped
+    decode(twin, 11)
+    assert looks == []
+    blocks.free(first)  # first's block cached: dropping its key lets twin's block take it
+    assert blocks.reset_prefix_cache() == 1
+    decode(twin, 12)
+    assert looks == [("twin", 2)] and blocks.block_key[twin.block_table[0]] is not None
