@@ -53,7 +53,7 @@ async def collect_choices(generation: Generation, choices: list[Choice], fail_on
 
 def as_api_error(error: Exception) -> APIError:
     """The engine client's failures are APIErrors already; anything else out of a writer is ours
-    (logged with its cause, as deployments/failures.py client_error does)."""
+    (logged with its cause, as deployments/ingress/engine_client.py client_error does)."""
     if isinstance(error, APIError):
         return error
     if isinstance(error, ValueError):

@@ -24,7 +24,8 @@ from ray import serve
 from deployments.app import colocated_app, pd_app
 from deployments.pd.backends import PDBackend
 from deployments.config import AppArgs
-from deployments.failures import NoDecodeReplica, NoPrefillReplica, client_error
+from deployments.failures import NoDecodeReplica, NoPrefillReplica
+from deployments.ingress.engine_client import client_error
 from dialects.errors import APIError
 from engine.request import GenerationRequest
 from sampling import SamplingParams

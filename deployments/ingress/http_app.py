@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.failures import on_unexpected_error
+from deployments.ingress.engine_client import on_unexpected_error
 from deployments.ingress.metrics import IngressMetrics
 from dialects import anthropic, auth, databricks, mindie
 from dialects.errors import APIError, documented, error_response, on_api_error, on_http_error, on_validation_error
