@@ -10,14 +10,14 @@ import httpx
 import openai
 import pytest
 
-from deployments.ingress import batch_routes
+from deployments.ingress.batch_service import BatchService
 from deployments.ingress.batch_runner import BatchRunner
 from deployments.ingress.batch_store import BatchStore
 from deployments.ingress.http_app import app
 import deployments.ingress.ingress  # noqa: F401  (every route of the app registered, as in the replica)
 from deployments.ingress.metrics import IngressMetrics
 from deployments.ingress.rate_limits import RateLimiter, RateLimits
-from dialects.files_api import UploadLimits
+from dialects.files_api import FORM_BYTES, UploadLimits
 
 MAX_BYTES, MAX_LINES = 2000, 3
 LINE = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
@@ -37,11 +37,11 @@ def client(tmp_path):
     """An SDK client of the app in process, its batch state under ``tmp_path``; the app's state restored after."""
     saved = dict(app.state._state)
     app.state.metrics, app.state.max_body_bytes, app.state.api_key = IngressMetrics(), 1 << 20, None
-    app.state.max_upload_bytes = MAX_BYTES + batch_routes.FORM_BYTES
+    app.state.max_upload_bytes = MAX_BYTES + FORM_BYTES
     app.state.rate_limits = RateLimiter(RateLimits(), "in-process", app.state.metrics.registry)  # no limits: no actor
     store = BatchStore(tmp_path)
-    app.state.batches = batch_routes.BatchService(store, BatchRunner(store, never_sent, no_queue, "me", 1, 2.0),
-                                                  UploadLimits(MAX_BYTES, MAX_LINES), None)
+    app.state.batches = BatchService(store, BatchRunner(store, never_sent, no_queue, "me", 1, 2.0),
+                                     UploadLimits(MAX_BYTES, MAX_LINES), None)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app")
     yield openai.AsyncOpenAI(base_url="http://app/v1", api_key="unused", max_retries=0, http_client=http)
     app.state._state.clear()
@@ -68,7 +68,7 @@ def test_files_round_trip(client):
 
 @pytest.mark.parametrize("content, purpose, status, param", [
     (b"x" * (MAX_BYTES + 1), "batch", 413, "file"),
-    (b"x" * (MAX_BYTES + batch_routes.FORM_BYTES), "batch", 413, None),  # the body's bound, before it is read
+    (b"x" * (MAX_BYTES + FORM_BYTES), "batch", 413, None),  # the body's bound, before it is read
     (b"{}\n" * (MAX_LINES + 1), "batch", 400, "file"),
     (b"{}\n", "fine-tune", 400, "purpose"),
 ])

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.ingress.engine_client import on_unexpected_error
 from deployments.ingress.metrics import IngressMetrics
-from dialects import anthropic, auth, databricks, mindie
+from dialects import anthropic, auth, batch_routes, databricks, mindie
 from dialects.errors import APIError, documented, error_response, on_api_error, on_http_error, on_validation_error
 from dialects.openai_serving import SSE
 
@@ -21,6 +21,7 @@ from dialects.openai_serving import SSE
 # carries the served model's limits.
 app = FastAPI(title="pdserve", description="LLM serving with prefill/decode disaggregation on Ray Serve",
               openapi_url=None, docs_url=None, redoc_url=None)
+app.include_router(batch_routes.router)  # the Files and Batch APIs' routes: dialects/batch_routes.py
 
 
 def in_dialect(path: str, response: JSONResponse) -> JSONResponse:

@@ -21,7 +21,7 @@ from ray import serve
 from deployments.pd import routing
 from deployments.ingress.admission import Admission
 from deployments.pd.backends import ColocatedBackend, PDBackend
-from deployments.ingress.batch_routes import serve_batches
+from deployments.ingress.batch_service import serve_batches
 from deployments.config import AppArgs
 from deployments.ingress.engine_client import ServeEngineClient
 from deployments.ingress.health import Readiness
@@ -30,7 +30,7 @@ from deployments.ingress.http_app import GENERATION, app
 from deployments.ingress.metrics import IngressMetrics
 from deployments.ingress import operation_routes as operations
 from deployments.ingress.tracing import RecentTraces, RequestTrace, SpanWriter, log_line
-from dialects import anthropic, databricks, mindie, responses
+from dialects import anthropic, databricks, files_api, mindie, responses
 from dialects.anthropic_schema import CountTokensRequest, MessagesRequest
 from dialects.engine_client import Origin, ServedSettings
 from dialects.errors import documented
@@ -84,7 +84,9 @@ class Ingress:
         app.state.max_body_bytes = args.max_body_bytes
         app.state.api_key = args.api_key.get_secret_value() if args.api_key is not None else None
         # /v1/files, /v1/batches and per-key limits; each engine request's tokens count against its key
-        self.engines.charge = serve_batches(app, args, self.backend.handles, self.metrics).charge
+        app.state.max_upload_bytes = args.max_file_bytes + files_api.FORM_BYTES
+        self.engines.charge = serve_batches(app, args, self.backend.handles, self.metrics,
+                                            files_api.UploadLimits(args.max_file_bytes, args.max_batch_lines)).charge
         self._openapi: dict | None = None
         self.responses = responses.ResponseStore()  # /v1/responses' stored responses: this replica's only
         self.readiness = Readiness(self.backend, embedder)
