@@ -159,6 +159,17 @@ class OpenAIServing:
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
+    async def models(self) -> dict:
+        """GET /v1/models: every model served here."""
+        return {"object": "list", "data": await self.model_cards()}
+
+    async def model(self, model_id: str) -> dict:
+        """GET /v1/models/{model_id}: its card; a 404 naming ``model`` when it is not served here."""
+        for card in await self.model_cards():
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"model: {model_id!r} is not served here", "model", "model_not_found")
+
     async def model_cards(self) -> list[dict]:
         """OpenAI's model objects: the LLM (with what this server adds), its LoRA adapters (as vLLM
         lists them: ``parent`` the base model, ``root`` the directory) and the embedder."""
