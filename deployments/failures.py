@@ -1,18 +1,12 @@
-"""What a client is told of a failure (``client_error``): a status it can act on and a message
-with nothing of Ray's in it; the cause goes to the server log. The failures that mean a replica
-died, stalled or lost what a request needed (``replica_failed``) are the ones the ingress
-migrates (deployments/ingress/migration.py)."""
+"""The serving system's failures, in its own types: the ones that mean a replica died, stalled or
+lost what a request needed (``replica_failed``) are the ones the ingress migrates
+(deployments/ingress/migration.py). Nothing here knows a dialect: what a client is told of each
+failure is the edge's mapping (deployments/ingress/engine_client.py ``client_error``)."""
 
 from __future__ import annotations
 
-import logging
-
-from fastapi import Request
-from fastapi.responses import JSONResponse
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import RayServeException
-
-from dialects.errors import APIError, from_value_error
 
 
 class KVLeaseExpired(Exception):
@@ -50,12 +44,34 @@ class NoPrefillReplica(Exception):
     (``pd_degrade_to_decode`` off): the request ends with a clean 503 at once."""
 
 
+
+class LateReplacement(Exception):
+    """A migrated request's replacement did not answer before the request's deadline
+    (deployments/ingress/request_flow.py): a clean 503, never a hang."""
+
+
+class DeadlineBeforeFirstToken(Exception):
+    """The request's timeout passed before its first token (the first-token rule,
+    deployments/ingress/request_flow.py ``started``): a 408 before any byte."""
+
+
+class RateLimited(Exception):
+    """A key past one of its per-minute limits (deployments/ingress/rate_limits.py): a 429; the
+    message says which limit, ``retry_after`` when the window has room (whole seconds)."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RateCounterDown(Exception):
+    """The shared per-key rate counter does not answer (deployments/ingress/rate_limits.py): a 503."""
+
 # What Ray and Serve raise when a replica died, is unreachable or lost an object; and a replica
 # that did not take its KV in time or stalled mid-stream, which the ingress treats the same way.
 REPLICA_FAILURES = (RayError, RayServeException, KVLeaseExpired, ReplicaStalled, ReplicaGone, DecodeDown,
                     ChannelClosed)
 REPLICA_RETRY_AFTER_S = 1  # Retry-After of a 503 when a replica failed: Serve routes around it, or restarts it
-logger = logging.getLogger("ray.serve")
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -67,33 +83,3 @@ def replica_failed(error: BaseException) -> bool:
     """Whether ``error`` says a replica died, is unreachable or lost an object the request needed
     (deployments/ingress/migration.py moves the request), not that the request itself was refused."""
     return isinstance(root_cause(error), REPLICA_FAILURES)
-
-
-def client_error(error: BaseException) -> APIError:
-    """What the client is told of ``error``; anything but a request error is logged with its cause
-    (Serve's log lines carry the request id). Ray's text (exception names, pids, node addresses,
-    tracebacks) never reaches a client."""
-    cause = root_cause(error)
-    if isinstance(cause, APIError):
-        return cause
-    if isinstance(cause, ValueError):  # the engines' checks of a request: "<field>: <rule>"
-        return from_value_error(cause)
-    logger.warning("request failed: %s: %s", type(cause).__name__, cause)
-    if isinstance(cause, NoDecodeReplica):
-        return APIError(503, "no decode replica is available; retry it", code="no_decode_replica",
-                        retry_after=REPLICA_RETRY_AFTER_S)
-    if isinstance(cause, NoPrefillReplica):
-        return APIError(503, "no prefill replica is available; retry it", code="no_prefill_replica",
-                        retry_after=REPLICA_RETRY_AFTER_S)
-    if isinstance(cause, REPLICA_FAILURES):
-        return APIError(503, "a replica serving this request failed or is unavailable; retry it",
-                        code="replica_unavailable", retry_after=REPLICA_RETRY_AFTER_S)
-    if isinstance(cause, TimeoutError):
-        return APIError(504, "the engines did not answer in time; retry it", code="engine_timeout")
-    return APIError(500, "the server failed while serving this request; its log has the cause under the "
-                         "request's x-request-id", code="internal_error")
-
-
-async def on_unexpected_error(_: Request, error: Exception) -> JSONResponse:
-    """Any other exception out of a route, in OpenAI's shape with nothing of Ray's in it."""
-    return client_error(error).response()

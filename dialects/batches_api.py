@@ -31,8 +31,6 @@ Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", 
 ENDPOINTS = frozenset(get_args(Endpoint))
 COMPLETION_WINDOW_S = 24 * 3600
 MAX_METADATA_PAIRS = 16
-# The statuses a batch ends in (validating, in_progress, finalizing and cancelling move on).
-FINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 # A line's body may not say these: batch lines are answered whole and run at the batch's priority.
 # Such a line is refused on its own (its 400 in the error file), as the endpoint refuses a body.
 REFUSED_BODY_FIELDS = {"stream": "batch lines are answered whole, not streamed",

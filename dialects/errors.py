@@ -1,7 +1,7 @@
 """Error bodies in OpenAI's shape: {"error": {"message", "type", "param", "code"}}; the dialects'
 error type (``APIError``) and FastAPI's own errors (validation, unknown routes) in that shape.
 What a client is told of a replica's failure is the serving room's mapping
-(deployments/failures.py), which answers with an ``APIError``."""
+(deployments/ingress/engine_client.py ``client_error``), which answers with an ``APIError``."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from dialects.errors import APIError
 
 OUTPUT_PURPOSE = "batch_output"
 MAX_LIST_LIMIT = 10000  # OpenAI's bound on GET /v1/files?limit=
+FORM_BYTES = 64 << 10  # a multipart upload's bytes around its file: boundaries, headers, the purpose field
 
 
 @dataclass(frozen=True)

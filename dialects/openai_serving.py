@@ -53,7 +53,7 @@ async def collect_choices(generation: Generation, choices: list[Choice], fail_on
 
 def as_api_error(error: Exception) -> APIError:
     """The engine client's failures are APIErrors already; anything else out of a writer is ours
-    (logged with its cause, as deployments/failures.py client_error does)."""
+    (logged with its cause, as deployments/ingress/engine_client.py client_error does)."""
     if isinstance(error, APIError):
         return error
     if isinstance(error, ValueError):
@@ -158,6 +158,17 @@ class OpenAIServing:
                 "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(v, body.encoding_format)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+    async def models(self) -> dict:
+        """GET /v1/models: every model served here."""
+        return {"object": "list", "data": await self.model_cards()}
+
+    async def model(self, model_id: str) -> dict:
+        """GET /v1/models/{model_id}: its card; a 404 naming ``model`` when it is not served here."""
+        for card in await self.model_cards():
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"model: {model_id!r} is not served here", "model", "model_not_found")
 
     async def model_cards(self) -> list[dict]:
         """OpenAI's model objects: the LLM (with what this server adds), its LoRA adapters (as vLLM

@@ -6,7 +6,7 @@ test_responses_reasoning.py).
 ``InProcessApp``: a FastAPI app whose routes call the ingress's own route methods
 (deployments/ingress/ingress.py, ``Ingress.func_or_class.<route>``) on a view holding what they read of
 the ingress (the dialects' serving objects, the Responses store), with the real app's error
-handlers (deployments/ingress/http_app.py), the real engine client (deployments/ingress/engine_client.py:
+handlers (dialects/http_edge.py, as deployments/ingress/ingress.py's build_app installs them), the real engine client (deployments/ingress/engine_client.py:
 admission, traces, first-output handling) and an AsyncEngine in this process behind it. Requests
 run on one event loop in a thread of its own, as a served replica's do; ``post`` sends one,
 ``transport`` lets an SDK's own client (openai's httpx, anthropic's httpx2) send them. The served
@@ -27,10 +27,10 @@ import httpx
 
 from deployments.ingress.admission import Admission
 from deployments.config import AppArgs
-from deployments.ingress.engine_client import ServeEngineClient
-from deployments.ingress import http_app
+from deployments.ingress.engine_client import ServeEngineClient, on_unexpected_error
 from deployments.ingress.ingress import Ingress, served_settings
 from dialects.databricks import DatabricksServing
+from dialects.http_edge import install_error_handlers
 from dialects.mindie_serving import MindIEServing
 from dialects.openai_serving import OpenAIServing
 from dialects.responses import ResponseStore
@@ -88,8 +88,7 @@ def routes_app(view_of: Callable[[], SimpleNamespace]) -> FastAPI:
     """ROUTES bound to the ingress's methods on ``view_of()``, with the real app's error handlers
     (each answering in its route's dialect) and what its middleware sets for the routes."""
     app = FastAPI()
-    for kind, handler in http_app.app.exception_handlers.items():
-        app.add_exception_handler(kind, handler)
+    install_error_handlers(app, on_unexpected_error)
 
     @app.middleware("http")
     async def arrival(request: Request, call_next):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from deployments.config import AppArgs
-from deployments.ingress.batch_routes import engines_waiting, in_process_sender
+from deployments.ingress.batch_service import engines_waiting, in_process_sender
 from engine.async_engine import AsyncEngine
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig

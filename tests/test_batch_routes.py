@@ -10,14 +10,13 @@ import httpx
 import openai
 import pytest
 
-from deployments.ingress import batch_routes
+from deployments.ingress.batch_service import BatchService
 from deployments.ingress.batch_runner import BatchRunner
 from deployments.ingress.batch_store import BatchStore
-from deployments.ingress.http_app import app
-import deployments.ingress.ingress  # noqa: F401  (every route of the app registered, as in the replica)
+from deployments.ingress.ingress import Ingress, build_app
 from deployments.ingress.metrics import IngressMetrics
 from deployments.ingress.rate_limits import RateLimiter, RateLimits
-from dialects.files_api import UploadLimits
+from dialects.files_api import FORM_BYTES, UploadLimits
 
 MAX_BYTES, MAX_LINES = 2000, 3
 LINE = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
@@ -33,19 +32,24 @@ async def never_sent(endpoint, body, key_name):
 
 
 @pytest.fixture
-def client(tmp_path):
-    """An SDK client of the app in process, its batch state under ``tmp_path``; the app's state restored after."""
-    saved = dict(app.state._state)
+def app(tmp_path):
+    """A replica's app in process (every route registered, as in a replica; only the Files and Batch
+    routes are called, so the Ingress behind them is never built), its batch state under ``tmp_path``."""
+    app = build_app(object.__new__(Ingress.func_or_class))
     app.state.metrics, app.state.max_body_bytes, app.state.api_key = IngressMetrics(), 1 << 20, None
-    app.state.max_upload_bytes = MAX_BYTES + batch_routes.FORM_BYTES
+    app.state.max_upload_bytes = MAX_BYTES + FORM_BYTES
     app.state.rate_limits = RateLimiter(RateLimits(), "in-process", app.state.metrics.registry)  # no limits: no actor
     store = BatchStore(tmp_path)
-    app.state.batches = batch_routes.BatchService(store, BatchRunner(store, never_sent, no_queue, "me", 1, 2.0),
-                                                  UploadLimits(MAX_BYTES, MAX_LINES), None)
+    app.state.batches = BatchService(store, BatchRunner(store, never_sent, no_queue, "me", 1, 2.0),
+                                     UploadLimits(MAX_BYTES, MAX_LINES), None)
+    return app
+
+
+@pytest.fixture
+def client(app):
+    """An SDK client of ``app``."""
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app")
-    yield openai.AsyncOpenAI(base_url="http://app/v1", api_key="unused", max_retries=0, http_client=http)
-    app.state._state.clear()
-    app.state._state.update(saved)
+    return openai.AsyncOpenAI(base_url="http://app/v1", api_key="unused", max_retries=0, http_client=http)
 
 
 def run(coroutine):
@@ -68,7 +72,7 @@ def test_files_round_trip(client):
 
 @pytest.mark.parametrize("content, purpose, status, param", [
     (b"x" * (MAX_BYTES + 1), "batch", 413, "file"),
-    (b"x" * (MAX_BYTES + batch_routes.FORM_BYTES), "batch", 413, None),  # the body's bound, before it is read
+    (b"x" * (MAX_BYTES + FORM_BYTES), "batch", 413, None),  # the body's bound, before it is read
     (b"{}\n" * (MAX_LINES + 1), "batch", 400, "file"),
     (b"{}\n", "fine-tune", 400, "purpose"),
 ])
@@ -81,7 +85,7 @@ def test_an_upload_out_of_bounds_is_refused_and_not_stored(client, content, purp
     run(go())
 
 
-def test_an_invalid_input_fails_the_batch_and_a_cancelled_one_ends_cancelled(client):
+def test_an_invalid_input_fails_the_batch_and_a_cancelled_one_ends_cancelled(client, app):
     async def go():
         runner = app.state.batches.runner
         bad = await client.files.create(file=("bad.jsonl", b"{nope\n" + json.dumps(LINE).encode()), purpose="batch")

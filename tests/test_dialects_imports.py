@@ -118,3 +118,36 @@ def test_the_floor_check_sees_an_upward_import(tmp_path):
     assert upward_imports(probe, "engine.execution.model_runner") == {"engine.scheduler": "scheduler",
                                                                       "engine.scheduler.X": "scheduler"}
     assert upward_imports(probe, "engine.llm_engine") == {}
+
+
+# The modules of deployments/ that may import dialects/ (docs/architecture.md, "The rooms"): the
+# binding of routes to dialects, the engine client (the dialects' seam implemented, and the one
+# mapping of the serving system's failures to what a client is told), and the Batch API's runner
+# (its line format; to go when the runner receives it from the binding).
+MAX_DEPLOYMENTS_TO_DIALECTS = 3
+
+
+def modules_importing(folder: Path, target: str) -> list[str]:
+    """The modules under ``folder`` (paths relative to it) whose own imports, at any depth of their
+    body, name the package ``target``."""
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*.py")
+                  if any(name.split(".")[0] == target for name in imported_names(path)))
+
+
+def test_deployments_reach_dialects_through_at_most_three_modules():
+    reaching = modules_importing(ROOT / "deployments", "dialects")
+    assert reaching, "the walk saw no import of dialects/: the ingress binds its routes there"
+    assert len(reaching) <= MAX_DEPLOYMENTS_TO_DIALECTS, \
+        f"{len(reaching)} modules of deployments/ import dialects/: {reaching}"
+
+
+def test_no_dialect_module_imports_ray_directly():
+    assert modules_importing(ROOT / "dialects", "ray") == []
+
+
+def test_the_count_sees_every_module_that_imports_a_room(tmp_path):
+    """The count can fail: a module importing a dialect inside a function counts."""
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "inner" / "a.py").write_text("def f():\n    from dialects.errors import APIError\n")
+    (tmp_path / "b.py").write_text("import json\n")
+    assert modules_importing(tmp_path, "dialects") == ["inner/a.py"]

@@ -24,7 +24,10 @@ from ray import serve
 from deployments.app import colocated_app, pd_app
 from deployments.pd.backends import PDBackend
 from deployments.config import AppArgs
-from deployments.failures import NoDecodeReplica, NoPrefillReplica, client_error
+from deployments.failures import (DeadlineBeforeFirstToken, LateReplacement, NoDecodeReplica, NoPrefillReplica,
+                                  RateCounterDown, RateLimited)
+from deployments.ingress.admission import Overloaded
+from deployments.ingress.engine_client import client_error
 from dialects.errors import APIError
 from engine.request import GenerationRequest
 from sampling import SamplingParams
@@ -132,6 +135,20 @@ def test_each_failure_maps_to_a_status_a_client_can_act_on():
     assert told["died"].response().headers["retry-after"] == "1" and told["field"].param == "top_k"
     for kind in ("died", "unavailable", "lost", "late", "bug"):
         assert not RAY_INTERNALS.search(json.dumps(told[kind].body())), told[kind].body()
+
+
+def test_the_serving_systems_own_refusals_map_to_their_statuses():
+    """deployments/ raises its own types and never a dialect's; the engine client's mapping gives each
+    its status, code and Retry-After, its message unchanged."""
+    told = {kind: client_error(error) for kind, error in {
+        "full": Overloaded("the server is at capacity", retry_after=2), "limited": RateLimited("rpm of key k", 7),
+        "counter": RateCounterDown("the rate-limit counter does not answer; retry"),
+        "deadline": DeadlineBeforeFirstToken("request timed out"),
+        "late": LateReplacement("no replica took over")}.items()}
+    assert {k: (e.status, e.code, e.retry_after) for k, e in told.items()} == {
+        "full": (503, "overloaded", 2), "limited": (429, "rate_limit_exceeded", 7), "counter": (503, "not_ready", None),
+        "deadline": (408, "timeout", None), "late": (503, "replica_unavailable", 1)}
+    assert (told["limited"].message, told["deadline"].param) == ("rpm of key k", "timeout")
 
 
 @contextlib.contextmanager

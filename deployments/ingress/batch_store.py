@@ -3,7 +3,7 @@
     <batch_dir>/<app>/pdserve.sqlite3    files, batches, and each batch's lines with their results
     <batch_dir>/<app>/files/<file id>    the bytes of each file (inputs uploaded, outputs written)
 
-(<app>: the Serve application's name; deployments/ingress/batch_routes.py opens the store there.)
+(<app>: the Serve application's name; deployments/ingress/batch_service.py opens the store there.)
 
 Every change is one SQLite transaction, so a restart of the ingress (or of the whole app) reads
 back exactly what was committed: a batch's lines and, for each, whether it was answered and how.
@@ -25,8 +25,6 @@ import sqlite3
 import time
 from typing import Iterator
 
-from dialects.batches_api import FINAL
-
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, created_at INTEGER, purpose TEXT, doc TEXT);
 CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, created_at INTEGER, status TEXT, doc TEXT,
@@ -35,6 +33,9 @@ CREATE TABLE IF NOT EXISTS lines (batch_id TEXT, line INTEGER, custom_id TEXT, b
                                   state TEXT, result TEXT, PRIMARY KEY (batch_id, line));
 """
 PENDING, COMPLETED, FAILED = "pending", "completed", "failed"  # a line's state; failed: in the error file
+# The statuses a batch ends in (validating, in_progress, finalizing and cancelling move on: the
+# Batch API's lifecycle, dialects/batches_api.py; the runner moves a batch through them).
+FINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 FINALS = tuple(sorted(FINAL))
 UNFINISHED_SQL = f"({','.join('?' * len(FINALS))})"  # "status NOT IN" this, with FINALS: not ended yet
 

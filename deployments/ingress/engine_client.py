@@ -2,28 +2,38 @@
 replica; it holds the backend (colocated, or P then D: deployments/pd/backends.py). Each request is
 admitted (admission.py) and started as a request flow (request_flow.py: its trace, migration, the
 ticket's release and its key's tokens), so that a dialect sees outputs and APIErrors, never Ray.
+
+It is also where the serving system's failures become what a client is told (``client_error``):
+a status it can act on and a message with nothing of Ray's in it, the cause in the server log. The
+rest of deployments/ raises its own types (deployments/failures.py, admission's ``Overloaded``)
+and never imports a dialect; this mapping is the one place they meet the dialects' ``APIError``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Callable
 import uuid
 
+from fastapi import Request
+from fastapi.responses import JSONResponse
 from transformers import AutoTokenizer
 
+from deployments.failures import (REPLICA_FAILURES, REPLICA_RETRY_AFTER_S, DeadlineBeforeFirstToken, LateReplacement,
+                                  NoDecodeReplica, NoPrefillReplica, RateCounterDown, RateLimited, root_cause)
 from deployments.ingress.admission import Admission, Overloaded
-from deployments.failures import client_error
 from deployments.ingress.health import describe
 from deployments.ingress.request_flow import RequestFlow, ServeGeneration, started
 from deployments.ingress.tracing import RequestTrace
 from dialects.engine_client import Origin, ServedSettings
-from dialects.errors import APIError
+from dialects.errors import APIError, from_value_error
 from engine.lora_adapter import LoraAdapter, LoraRef, ModelShape
 from engine.model_info import ModelInfo
 from engine.request import GenerationRequest
 
 ENGINE_WAIT_S = 5.0  # the longest any endpoint waits for a deployment's info before a 503
+logger = logging.getLogger("ray.serve")
 
 
 class ServeEngineClient:
@@ -82,14 +92,14 @@ class ServeEngineClient:
         first output (request_flow.started: errors and a deadline passed before it are HTTP errors)."""
         queue: asyncio.Queue = asyncio.Queue()
         flows: list[RequestFlow] = []
-        generation = ServeGeneration(flows, queue)
+        generation = ServeGeneration(flows, queue, client_error)
         for index, request in enumerate(requests):
             request.background = origin.background  # a batch line's requests yield to interactive ones
             try:
                 ticket = self.admission.admit(request)
             except Overloaded as error:  # at once, never a wait: deployments/ingress/admission.py
                 await generation.abort()
-                raise APIError(503, str(error), code="overloaded", retry_after=error.retry_after) from None
+                raise client_error(error) from None
             trace = RequestTrace(origin.client_request_id or uuid.uuid4().hex, request.request_id, origin.dialect,
                                  request.priority, len(request.prompt_token_ids), origin.arrival)
             if self.charge is not None:
@@ -144,3 +154,43 @@ async def _answer(call):
         return await call
     except Exception as error:
         raise client_error(error) from None
+
+
+def client_error(error: BaseException) -> APIError:
+    """What the client is told of ``error``; anything but a request error or a refusal is logged with
+    its cause (Serve's log lines carry the request id). Ray's text (exception names, pids, node
+    addresses, tracebacks) never reaches a client."""
+    cause = root_cause(error)
+    if isinstance(cause, APIError):
+        return cause
+    if isinstance(cause, ValueError):  # the engines' checks of a request: "<field>: <rule>"
+        return from_value_error(cause)
+    if isinstance(cause, Overloaded):
+        return APIError(503, str(cause), code="overloaded", retry_after=cause.retry_after)
+    if isinstance(cause, RateLimited):
+        return APIError(429, str(cause), None, "rate_limit_exceeded", retry_after=cause.retry_after)
+    if isinstance(cause, RateCounterDown):
+        return APIError(503, str(cause), code="not_ready")
+    if isinstance(cause, DeadlineBeforeFirstToken):
+        return APIError(408, str(cause), "timeout", "timeout")
+    if isinstance(cause, LateReplacement):
+        return APIError(503, str(cause), code="replica_unavailable", retry_after=REPLICA_RETRY_AFTER_S)
+    logger.warning("request failed: %s: %s", type(cause).__name__, cause)
+    if isinstance(cause, NoDecodeReplica):
+        return APIError(503, "no decode replica is available; retry it", code="no_decode_replica",
+                        retry_after=REPLICA_RETRY_AFTER_S)
+    if isinstance(cause, NoPrefillReplica):
+        return APIError(503, "no prefill replica is available; retry it", code="no_prefill_replica",
+                        retry_after=REPLICA_RETRY_AFTER_S)
+    if isinstance(cause, REPLICA_FAILURES):
+        return APIError(503, "a replica serving this request failed or is unavailable; retry it",
+                        code="replica_unavailable", retry_after=REPLICA_RETRY_AFTER_S)
+    if isinstance(cause, TimeoutError):
+        return APIError(504, "the engines did not answer in time; retry it", code="engine_timeout")
+    return APIError(500, "the server failed while serving this request; its log has the cause under the "
+                         "request's x-request-id", code="internal_error")
+
+
+async def on_unexpected_error(_: Request, error: Exception) -> JSONResponse:
+    """Any other exception out of a route, in OpenAI's shape with nothing of Ray's in it."""
+    return client_error(error).response()

@@ -13,16 +13,16 @@ replica, where Ray Serve routes it:
   twice. In PD it goes through P again (D's KV died with D; P's prefix cache holds the prompt).
 
 The request keeps its priority and its deadline (absolute: a migration does not reset it). After
-``max_migrations`` the failure ends the request (a clean 503, deployments/failures.py); so does a
-replacement that does not answer before the deadline: never a hang.
+``max_migrations`` the failure ends the request (a clean 503, deployments/ingress/engine_client.py
+``client_error``); so does a replacement that does not answer before the deadline
+(``failures.LateReplacement``): never a hang.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from deployments.failures import REPLICA_RETRY_AFTER_S, replica_failed
-from dialects.errors import APIError
+from deployments.failures import replica_failed
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
 from sampling.params import choice_seed
@@ -50,12 +50,6 @@ class ChoiceSoFar:
 def resumes(error: Exception, migrations: int, max_migrations: int) -> bool:
     """Whether a request that failed with ``error`` after ``migrations`` migrations goes on elsewhere."""
     return replica_failed(error) and migrations < max_migrations
-
-
-def late_replacement() -> APIError:
-    """A replacement that did not answer before the request's deadline: a clean 503, never a hang."""
-    return APIError(503, "no replica took over this request before its timeout; retry it",
-                    code="replica_unavailable", retry_after=REPLICA_RETRY_AFTER_S)
 
 
 def resume_legs(request: GenerationRequest, so_far: list[ChoiceSoFar], migration: int

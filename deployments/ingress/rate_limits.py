@@ -6,12 +6,12 @@ budget's otherwise (no key, or one not listed). Listed keys are also valid API k
 ``api_key`` is set. A batch's lines count against the key that created it.
 
 What counts, over the last 60 seconds (a sliding window):
-- requests: each request to a generation or embeddings route (``LIMITED_PATHS``, Databricks'
-  invocations);
+- requests: each request to a generation or embeddings route, and Databricks' invocations (which
+  the app's binding tells ``refusal``: dialects/http_edge.py ``rate_limited``);
 - tokens: each engine request's prompt tokens when it starts and its generated tokens when it ends
   (embeddings count as requests only).
-A request is refused (429, Retry-After: when the window will have room) when its key has made
-``rpm`` requests in the window, or used ``tpm`` tokens; tokens are counted as they are used, so a
+A request is refused (``RateLimited``: a 429, Retry-After when the window will have room) when its
+key has made ``rpm`` requests in the window, or used ``tpm`` tokens; tokens are counted as they are used, so a
 request admitted under the budget may end above it, and the next waits.
 
 The counts live in one named, detached Ray actor per application (``RateCounter``,
@@ -33,18 +33,14 @@ import time
 from typing import Callable, Mapping
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 import ray
 
-from dialects import databricks
-from dialects.errors import APIError
+from deployments.failures import RateCounterDown, RateLimited
 
 WINDOW_S = 60.0
 DEFAULT_KEY = "default"
-LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
-                           "/v1/messages", "/infer_token"})
 COUNTER_CALL_TIMEOUT_S = 30.0  # a clean 503 past it; a loaded machine's actor call can take seconds
 
 
@@ -169,20 +165,21 @@ class RateLimiter:
             except (ray.exceptions.RayActorError, TimeoutError):
                 self._counter = None
                 if attempt:
-                    raise APIError(503, "the rate-limit counter does not answer; retry", code="not_ready") from None
+                    raise RateCounterDown("the rate-limit counter does not answer; retry") from None
 
-    async def refusal(self, request: Request, path: str) -> JSONResponse | None:
-        """The request's 429, or None (its key, ``request.state.rate_key``, set for the routes after:
-        a batch line's own is set by the runner, every other from the request's headers)."""
+    async def refusal(self, request: Request, limited: bool) -> RateLimited | None:
+        """The request's refusal, or None (its key, ``request.state.rate_key``, set for the routes
+        after: a batch line's own is set by the runner, every other from the request's headers).
+        ``limited``: whether its route counts against the key's limits."""
         key = getattr(request.state, "rate_key", None) or self.limits.key_name(request.headers)
         request.state.rate_key = key
-        error = await self.check(key, path)
-        return error.response() if error is not None else None
+        return await self.check(key, limited)
 
-    async def check(self, key: str, path: str) -> APIError | None:
-        """A 429 (Retry-After set) when ``key`` has no room for one more request on ``path``."""
+    async def check(self, key: str, limited: bool) -> RateLimited | None:
+        """``RateLimited`` (a 429 with its Retry-After) when ``key`` has no room for one more request
+        on a ``limited`` route."""
         key_limits = self.limits.of(key)
-        if not (path in LIMITED_PATHS or databricks.is_route(path)) or not key_limits.limited:
+        if not limited or not key_limits.limited:
             return None
         wait, limit, requests, tokens = await self._call("admit", key, key_limits.rpm, key_limits.tpm)
         self.window.labels(key, "requests").set(requests)
@@ -191,9 +188,8 @@ class RateLimiter:
             return None
         self.refused.labels(key, limit).inc()
         unit = "requests" if limit == "rpm" else "tokens"
-        return APIError(429, f"rate limit reached for key {key!r}: {getattr(key_limits, limit)} {unit} per minute "
-                        f"({limit}); retry after {math.ceil(wait)} s", None, "rate_limit_exceeded",
-                        retry_after=max(1, math.ceil(wait)))
+        return RateLimited(f"rate limit reached for key {key!r}: {getattr(key_limits, limit)} {unit} per minute "
+                           f"({limit}); retry after {math.ceil(wait)} s", retry_after=max(1, math.ceil(wait)))
 
     def charge(self, key: str, tokens: int) -> None:
         """Count ``tokens`` against ``key`` (a request's prompt at its start, its generated tokens at

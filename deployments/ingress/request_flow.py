@@ -10,9 +10,10 @@ failed, cancelled because its client left), the task's end releases the ticket, 
 and charges the key, each once.
 
 ``ServeGeneration`` is dialects/engine_client.py's Generation: it reads the queue its flows deliver
-to, in arrival order. ``start`` holds the first-token rule: the generation is returned once every
+to, in arrival order. ``started`` holds the first-token rule: the generation is returned once every
 request has its first output, and an error or a deadline passed before it is an HTTP error before
-any byte (a 408 for the deadline).
+any byte (a 408 for the deadline). Nothing here knows a dialect: each failure is raised as what the
+edge says a client is told of it (``told``: deployments/ingress/engine_client.py ``client_error``).
 """
 
 from __future__ import annotations
@@ -23,18 +24,18 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
-from deployments.failures import client_error, root_cause
+from deployments.failures import DeadlineBeforeFirstToken, LateReplacement, root_cause
 from deployments.ingress.admission import Ticket
-from deployments.ingress.migration import ChoiceSoFar, late_replacement, resume_legs, resumes
+from deployments.ingress.migration import ChoiceSoFar, resume_legs, resumes
 from deployments.ingress.streams import cancel_all
 from deployments.ingress.tracing import RequestTrace
-from dialects.errors import APIError
 from engine.outputs import TIMEOUT, RequestOutput
 from engine.request import GenerationRequest
 
 logger = logging.getLogger("ray.serve." + __name__)
 # request -> its output batches (the backend's ``stream``, its trace bound)
 Start = Callable[[GenerationRequest], AsyncIterator[list[RequestOutput]]]
+Told = Callable[[BaseException], Exception]  # a failure -> the error a client is told of it (the edge's)
 ENDED = None  # a flow's last queue item
 
 
@@ -90,7 +91,7 @@ class RequestFlow:
             except TimeoutError:
                 if not migrations:
                     raise
-                raise late_replacement() from None
+                raise LateReplacement("no replica took over this request before its timeout; retry it") from None
             except Exception as error:
                 if not resumes(error, migrations, self.max_migrations):
                     raise
@@ -149,10 +150,10 @@ class RequestFlow:
 
 class ServeGeneration:
     """dialects/engine_client.py's Generation: the outputs of its requests' flows, as they arrive;
-    any failure out of them becomes the APIError a client is told (deployments/failures.py)."""
+    any failure out of them is raised as ``told(failure)``, what a client is told of it."""
 
-    def __init__(self, flows: list[RequestFlow], queue: asyncio.Queue) -> None:
-        self._flows, self._queue = flows, queue
+    def __init__(self, flows: list[RequestFlow], queue: asyncio.Queue, told: Told) -> None:
+        self._flows, self._queue, self.told = flows, queue, told
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         try:
@@ -162,7 +163,7 @@ class ServeGeneration:
                 if item is ENDED:
                     running -= 1
                 elif isinstance(item, Exception):
-                    raise client_error(item) from None
+                    raise self.told(item) from None
                 else:
                     for output in item:
                         yield index, output
@@ -183,16 +184,16 @@ class ServeGeneration:
 
 async def started(generation: ServeGeneration, flows: list[RequestFlow]) -> ServeGeneration:
     """``generation`` once every flow has its first output: the first-token rule. An error before
-    it is the APIError a client is told, a deadline passed before it a 408, both before any byte;
-    every flow is then cancelled."""
+    it, and a deadline passed before it (``DeadlineBeforeFirstToken``: a 408), are raised as what the
+    client is told of them (``generation.told``), before any byte; every flow is then cancelled."""
     try:
         firsts = await asyncio.gather(*(flow.first for flow in flows), return_exceptions=True)
         for first in firsts:
             if isinstance(first, BaseException):
-                raise client_error(first) from None
+                raise generation.told(first) from None
             if first.finished and first.finish_reason == TIMEOUT and not first.new_token_ids:
-                raise APIError(408, "request timed out: the request's timeout passed before its first token",
-                               "timeout", "timeout")
+                raise generation.told(DeadlineBeforeFirstToken(
+                    "request timed out: the request's timeout passed before its first token")) from None
     except BaseException:
         await generation.abort()
         raise
