@@ -4,20 +4,23 @@ A stream per request costs a replica one Ray Serve item per request per step (a 
 a wake-up of the replica's and the ingress's loops, under the GIL the engine thread needs): at 32
 running requests, 32 items a step. A channel carries one ingress's outputs of a step, for all its
 requests on that replica, in one item (SGLang's detokenizer and vLLM's output socket do the same
-between their processes). The protocol, between a replica's ``ChannelSender`` and an ingress's
-``ChannelReceiver``:
+between their processes). Every engine role sends its outputs this way: the colocated engine, D
+(after P's reply, its local prefill, alone) and P alone; only P's reply to the ingress is a call
+of its own. The protocol, between a replica's ``ChannelSender`` and an ingress's ``ChannelReceiver``:
 
-1. ``submit(request, channel)``: routed as any request (prefix affinity and load,
-   deployments/pd/routing.py). The replica checks the request, starts it in its engine and answers
-   ``Accepted``; the request's outputs go to ``channel`` (the ingress's id), keyed by request id (a
-   migrated request runs under a new id: its old replica's late outputs never reach it).
+1. an accepting call, ``submit(request, channel)`` (or D's ``decode(request, reply, channel)``):
+   routed as any request (prefix affinity and load, deployments/pd/routing.py), or pinned. The
+   replica checks the request, starts it and answers ``Accepted``; the request's outputs go to
+   ``channel`` (the ingress's id), keyed by request id (a migrated request runs under a new id: its
+   old replica's late outputs never reach it).
 2. ``channel(channel, pinned=replica)``: one streaming call per ingress and replica, opened by the
    ingress once a request was accepted there and none is open. It yields ``Accepted``, then dicts of
-   request id -> the outputs made since the last item, in order (an ``Ended`` closes a request's
-   list, with the error that ended it, if any), and a ``Heartbeat`` while there is nothing to send
+   request id -> the items made since the last item, in order (the engine's outputs; D's record of
+   its KV fetch, a KVTransfer, before them; an ``Ended`` closes a request's list, with the error
+   that ended it, if any), and a ``Heartbeat`` while there is nothing to send
    (deployments/replicas/liveness.py).
-3. ``abort(channel, request_id)``: the reader of a request went away (its client left): the replica
-   aborts it and frees its blocks.
+3. ``abort(channel, request_id)``: the reader of a request went away (its client left), or its
+   acceptance came too late (D past the KV lease): the replica aborts it and frees its blocks.
 
 A replica ends a channel once it has carried no request for ``CHANNEL_LINGER_S`` (so a replica
 that Serve drains shuts down once its requests end); the ingress opens a new one for the requests
@@ -32,8 +35,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from dataclasses import dataclass
+import functools
 import uuid
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from deployments.failures import ChannelClosed
 from deployments.replicas.liveness import Accepted, taken_then_watched
@@ -169,21 +173,29 @@ class ChannelReceiver:
         """``handle``: the engine deployment's DeploymentHandle."""
         self.channel_id = uuid.uuid4().hex
         self.stall_timeout_s = stall_timeout_s
-        self._submit = handle.options(_by_reference=False).submit
+        self.submit = handle.options(_by_reference=False).submit  # the default accepting call (``stream``)
         self._open = handle.options(stream=True, _by_reference=False).channel
         self._abort = handle.options(_by_reference=False).abort
         self._inboxes: dict[str, _Inbox] = {}  # request id -> its outputs, as the readers deliver them
         self._readers: dict[str, _Reader] = {}  # replica id -> the task reading its channel
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[RequestOutput]]:
+    async def stream(self, request: GenerationRequest, accept: Callable[[str], Awaitable[Accepted]] | None = None,
+                     taken: Callable[[Awaitable[Accepted]], Awaitable[Accepted]] | None = None
+                     ) -> AsyncIterator[list]:
         """The request's outputs, in batches of what arrived since the last; its error when the
         engine ended it with one; a replica failure when its replica's channel fails
-        (deployments/failures.py). Leaving early aborts it."""
+        (deployments/failures.py). ``accept(channel_id)``: the call that has a replica start the
+        request with its outputs on this channel, and answers its ``Accepted`` (default: ``submit``,
+        routed); ``taken(answer)``: waits for that answer (default: for as long as it takes; D's KV
+        lease bounds it, deployments/pd/backends.py). Leaving early, or an answer past ``taken``'s
+        bound, aborts the request once its replica has accepted it."""
         inbox = self._inboxes[request.request_id] = _Inbox()
-        submitted = asyncio.ensure_future(_outside_request(self._submit.remote, request, self.channel_id))
+        accept = accept or functools.partial(self.submit.remote, request)
+        submitted = asyncio.ensure_future(_outside_request(accept, self.channel_id))
         reader, ended = None, False
         try:
-            accepted: Accepted = await asyncio.shield(submitted)
+            answer = asyncio.shield(submitted)
+            accepted: Accepted = await (answer if taken is None else taken(answer))
             reader = self._reader(accepted.replica)
             reader.requests.add(request.request_id)
             while not ended:
@@ -249,8 +261,8 @@ class ChannelReceiver:
 
 def _outside_request(call, *args, **kwargs):
     """``call(*args, **kwargs)`` as no Serve request's child: Serve cancels the calls a request
-    made when it is cancelled (its client left), and a channel, a submit whose answer decides the
-    abort, and the abort itself must outlive the request that made them."""
+    made when it is cancelled (its client left), and a channel, an accepting call whose answer
+    decides the abort, and the abort itself must outlive the request that made them."""
     return contextvars.Context().run(call, *args, **kwargs)
 
 
