@@ -15,6 +15,7 @@ import asyncio
 import httpx
 import pytest
 
+from deployments.failures import ChannelClosed
 from deployments.replicas.liveness import Accepted, Heartbeat
 from deployments.replicas.output_channels import ChannelReceiver, ChannelSender, Ended
 from engine.llm_engine import LLMEngine
@@ -156,6 +157,35 @@ def test_a_newer_reader_takes_the_channel_over_and_the_older_one_leaves_its_requ
     assert all(i is None for i in rest_of_old)
     assert new_item == {"a": ["a1"]}
     assert closed == [] and channels == 1
+
+
+def test_a_request_ended_when_its_reader_left_is_told_so_to_the_next_reader():
+    """The ingress found the channel stalled (the replica alive), and the replica had taken one more
+    request on it before the reader's end reached it: that request's ingress reads it on a new
+    reader, which must learn it ended (a replica failure: it moves), not wait for it forever."""
+    async def scenario():
+        streams = FakeStreams()
+        sender = ChannelSender(streams.close, orphan_s=0.2)
+        old = sender.read("ch", heartbeat_s=0.01)
+        assert await anext(old) is None  # attached
+        sender.start("ch", "late", streams.open("late"))
+        await old.aclose()  # its ingress's reader left
+        new = sender.read("ch", heartbeat_s=10)
+        told = await anext(new)
+        await new.aclose()
+        sender.start("ch2", "x", streams.open("x"))
+        lone = sender.read("ch2", heartbeat_s=0.01)
+        assert await anext(lone) is None
+        await lone.aclose()
+        kept = sender.open_channels()  # ch2's Ended kept for a next reader
+        await asyncio.sleep(0.3)
+        return told, list(streams.closed), kept, sender.open_channels()
+
+    told, closed, kept, left = run(scenario())
+    (ended,) = told["late"]
+    assert isinstance(ended.error, ChannelClosed)
+    assert closed == ["late", "x"]
+    assert kept == 1 and left == 0  # no reader came for ch2 within orphan_s: dropped
 
 
 class Loopback:

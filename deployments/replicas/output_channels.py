@@ -26,8 +26,10 @@ A replica ends a channel once it has carried no request for ``CHANNEL_LINGER_S``
 that Serve drains shuts down once its requests end); the ingress opens a new one for the requests
 accepted meanwhile. A channel that fails (the replica died or stalled: no item for
 ``stall_timeout_s``) fails each of its requests as a replica failure, and they migrate
-(deployments/ingress/migration.py); the replica cancels the requests of a channel whose reader left, and of
-one that no reader opened within ``ORPHAN_S`` (its ingress died after submitting).
+(deployments/ingress/migration.py); the replica cancels the requests of a channel whose reader left
+(a next reader of the channel learns they ended, with ``ChannelClosed``: a request accepted there
+after its ingress's reader failed moves too), and of one that no reader opened within ``ORPHAN_S``
+(its ingress died after submitting).
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ class ChannelSender:
         """The channel's items: every request's outputs since the last one, or None after
         ``heartbeat_s`` without any (the server turns it into a Heartbeat while its engine runs).
         Ends once the channel has had no request for ``linger_s``; leaving it early (the ingress
-        closed it, or died) cancels the channel's requests, unless a newer reader took it over."""
+        closed it, or died, or found it stalled) cancels the channel's requests, unless a newer
+        reader took it over (``_reader_left``)."""
         channel = self._channels.setdefault(channel_id, _Channel())
         self._readers += 1
         generation = channel.reader = self._readers
@@ -140,8 +143,21 @@ class ChannelSender:
                         return
                 yield None
         finally:
-            if channel.reader == generation:  # not taken over: this channel is done
-                self._close(channel_id, channel)
+            if channel.reader == generation:  # not taken over
+                self._reader_left(channel_id, channel)
+
+    def _reader_left(self, channel_id: str, channel: _Channel) -> None:
+        """End the channel's requests. Each gets an ``Ended(ChannelClosed)`` that a next reader of
+        the channel delivers: its ingress may have accepted it after this reader failed (a stall
+        seen there, the replica alive), and reads it on a new reader; kept until ``orphan_s``."""
+        channel.reader = 0
+        for request_id in list(channel.tasks):
+            self._end(channel, request_id)
+            channel.put(request_id, [Ended(ChannelClosed("the channel this request's outputs went on closed"))])
+        if channel.pending:
+            asyncio.get_running_loop().call_later(self.orphan_s, self._drop_orphan, channel_id, channel)
+        else:
+            self._close(channel_id, channel)
 
     def _drop_orphan(self, channel_id: str, channel: _Channel) -> None:
         if not channel.reader:
