@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import functools
 import uuid
 from typing import AsyncIterator, Awaitable, Callable
+
+from ray.serve import context as serve_context
 
 from deployments.failures import ChannelClosed
 from deployments.replicas.liveness import Accepted, taken_then_watched
@@ -276,10 +278,17 @@ class ChannelReceiver:
 
 
 def _outside_request(call, *args, **kwargs):
-    """``call(*args, **kwargs)`` as no Serve request's child: Serve cancels the calls a request
-    made when it is cancelled (its client left), and a channel, an accepting call whose answer
-    decides the abort, and the abort itself must outlive the request that made them."""
-    return contextvars.Context().run(call, *args, **kwargs)
+    """``call(*args, **kwargs)`` as no Serve request's child, under the request's id (the
+    replicas' logs name it): Serve cancels the calls a request made when it is cancelled (its
+    client left), and an accepting call whose answer decides the abort, and the abort itself, must
+    outlive the request that made them (Serve keeps the children of a request whose context says
+    ``cancel_on_parent_request_cancel``: the ingress's)."""
+    context = contextvars.copy_context()
+    parent = context.get(serve_context._serve_request_context)
+    if parent is not None:
+        context.run(serve_context._serve_request_context.set,
+                    replace(parent, cancel_on_parent_request_cancel=False))
+    return context.run(call, *args, **kwargs)
 
 
 class _Reader:
