@@ -281,13 +281,14 @@ def _outside_request(call, *args, **kwargs):
     """``call(*args, **kwargs)`` as no Serve request's child, under the request's id (the
     replicas' logs name it): Serve cancels the calls a request made when it is cancelled (its
     client left), and an accepting call whose answer decides the abort, and the abort itself, must
-    outlive the request that made them (Serve keeps the children of a request whose context says
-    ``cancel_on_parent_request_cancel``: the ingress's)."""
+    outlive the request that made them. Serve finds a request's children by its context: those made
+    under ``cancel_on_parent_request_cancel`` once routed, and while being routed every call made
+    under its internal id; the call gets an internal id of its own."""
     context = contextvars.copy_context()
     parent = context.get(serve_context._serve_request_context)
     if parent is not None:
         context.run(serve_context._serve_request_context.set,
-                    replace(parent, cancel_on_parent_request_cancel=False))
+                    replace(parent, cancel_on_parent_request_cancel=False, _internal_request_id=uuid.uuid4().hex))
     return context.run(call, *args, **kwargs)
 
 
