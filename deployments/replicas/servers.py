@@ -5,6 +5,11 @@ the engine's own priority scheduler, not Ray Serve's FIFO routing, orders the re
 Each reports its load (``load``) to the request routers (deployments/pd/routing.py) and to the
 autoscaler (deployments/replicas/autoscaling.py): P its queued prompt tokens, D and colocated their
 requests and KV usage.
+
+A request's outputs leave a replica on the ingress's channel (deployments/replicas/output_channels.py):
+``submit`` (a whole request: colocated, D's local prefill, P or D alone) or D's ``decode`` (after P's
+reply) starts it and answers ``Accepted``; ``channel`` carries every request's outputs to that
+ingress; ``abort`` ends one. P's ``prefill`` alone streams per request: its reply and the KV's handle.
 """
 
 from __future__ import annotations
