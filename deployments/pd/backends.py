@@ -70,7 +70,7 @@ class PDBackend:
 
     The ingress owns the KV from P's reply until a D replica takes the request, so it outlives P's
     replica. A D replica must take the request within ``kv_lease_s``; one that does not (stalled,
-    or never reached) has its call cancelled and the request fails with ``KVLeaseExpired``, a
+    or never reached) is no longer waited for, and the request fails with ``KVLeaseExpired``, a
     replica failure: deployments/ingress/migration.py prefills it again. One that stops once it has taken
     the request fails it with ``ReplicaStalled`` after ``stall_timeout_s`` (liveness.py).
 
