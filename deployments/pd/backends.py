@@ -71,8 +71,9 @@ class PDBackend:
     The ingress owns the KV from P's reply until a D replica takes the request, so it outlives P's
     replica. A D replica must take the request within ``kv_lease_s``; one that does not (stalled,
     or never reached) is no longer waited for, and the request fails with ``KVLeaseExpired``, a
-    replica failure: deployments/ingress/migration.py prefills it again. One that stops once it has taken
-    the request fails it with ``ReplicaStalled`` after ``stall_timeout_s`` (liveness.py).
+    replica failure: deployments/ingress/migration.py prefills it again (a D that takes it later is
+    told to abort it). One that stops once it has taken the request fails every request on its
+    channel with ``ReplicaStalled`` after ``stall_timeout_s`` (liveness.py).
 
     While no D replica can answer (``DecodeWatch``, deployments/pd/decode_watch.py), P serves new
     requests whole, as a colocated engine, and a request waiting for a D to take its KV fails with
