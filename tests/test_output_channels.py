@@ -2,7 +2,8 @@
 to each ingress carrying every request's outputs.
 
 The sender's rules on an asyncio loop of their own (a step's outputs of several requests in one
-item; an abort or a reader that leaves ends the requests and closes their engine streams; a channel
+item; an abort or a reader that leaves ends the requests and closes their engine streams, the
+latter telling a next reader of the channel; a channel
 no reader opened is dropped; an idle channel ends); the receiver's, against a sender in the same
 loop (requests share one reader; the accepting call is the caller's: one answered past its bound
 fails the stream and the request is aborted once taken); and the served apps: concurrent streams,
