@@ -2,7 +2,8 @@
 
 Sends ``--concurrency`` streamed requests at once (``--input-len`` prompt ids, ``--output-len``
 tokens each, sampled as the endpoints' defaults sample (temperature 1, no top-k or top-p), EOS
-ignored) to the colocated app over HTTP, ``--rounds`` times after one warm-up round, and runs the
+ignored) to the colocated app (``--app colocated``) or the PD app (``--app pd``: one P and one D,
+each with ``--threads`` engine threads; ``--pd-local-prefill-tokens`` as the app's) over HTTP, ``--rounds`` times after one warm-up round, and runs the
 same requests through the engine in this process (``LLMEngine.generate``, no asyncio, no Ray, no
 HTTP; first, so that no Ray process is left running beside it). Prints output tokens per second of
 each and their ratio (served / in-process): the serving path's share of the engine's throughput.
@@ -10,10 +11,11 @@ Both run in this one process tree, back to back: compare figures within one run 
 be shared).
 
 Where the served rounds' CPU went: the CPU seconds each process used during the measured rounds
-(the engine replica, the ingress, Serve's proxy and controller, Ray's own daemons, this client),
+(the engine replicas, the ingress, Serve's proxy and controller, Ray's own daemons, this client),
 per second of the rounds (1.00 = one core busy) and per 1,000 output tokens.
 
-    python benchmarks/stream_throughput.py [--model tiny-llama] [--concurrency 32] [--endpoint infer_token]
+    python benchmarks/stream_throughput.py [--app colocated|pd] [--model tiny-llama] [--concurrency 32]
+                                           [--endpoint infer_token]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 from ray import serve  # noqa: E402
 
-from deployments.app import colocated_app  # noqa: E402
+from deployments.app import colocated_app, pd_app  # noqa: E402
 from deployments.config import AppArgs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
@@ -61,7 +63,8 @@ def process_role(process: psutil.Process) -> str | None:
         title = " ".join(process.cmdline()) or process.name()
     except psutil.Error:
         return None
-    for marker, role in (("Ingress", "ingress"), ("LLMServer", "engine replica"), ("ProxyActor", "Serve proxy"),
+    for marker, role in (("Ingress", "ingress"), ("LLMServer", "engine replica"), ("PrefillServer", "P replica"),
+                         ("DecodeServer", "D replica"), ("ProxyActor", "Serve proxy"),
                          ("ServeController", "Serve controller"), ("raylet", "Ray daemons"),
                          ("gcs_server", "Ray daemons"), ("ray::", "other Ray workers")):
         if marker in title:
@@ -102,6 +105,15 @@ def in_process_round(engine: LLMEngine, works, tag: str) -> tuple[int, float]:
     return sum(len(r.output_token_ids) for r in results.values()), elapsed
 
 
+def served_app(args, engine_args: dict):
+    """The app under test: colocated, or PD with one P and one D, each replica ``--threads`` CPUs."""
+    options = {"ray_actor_options": {"num_cpus": args.threads}}
+    if args.app == "colocated":
+        return colocated_app(engine_args, options)
+    local = {} if args.pd_local_prefill_tokens is None else {"pd_local_prefill_tokens": args.pd_local_prefill_tokens}
+    return pd_app({**engine_args, **local}, options, options)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-llama")
@@ -112,6 +124,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--endpoint", default="infer_token", choices=list(ENDPOINTS))
+    parser.add_argument("--app", default="colocated", choices=["colocated", "pd"])
+    parser.add_argument("--pd-local-prefill-tokens", type=int, default=None,
+                        help="PD: prompts up to this many tokens are prefilled on D (default: the app's)")
     args = parser.parse_args()
     rounds = [workloads(args.concurrency, args.input_len, args.output_len, 100 + r, None, (3, 800))
               for r in range(args.rounds + 1)]  # fresh prompts per round: no prefix-cache hits across rounds
@@ -120,8 +135,7 @@ def main() -> None:
     local = [in_process_round(engine, works, f"r{i}") for i, works in enumerate(rounds)]
     del engine
     with serve_session() as url:
-        serve.run(colocated_app(engine_args, {"ray_actor_options": {"num_cpus": args.threads}}), name="stream",
-                  route_prefix="/")
+        serve.run(served_app(args, engine_args), name="stream", route_prefix="/")
         served = [asyncio.run(served_round(url, works, args.endpoint, args.model)) for works in rounds[:1]]
         before = cpu_seconds()
         served += [asyncio.run(served_round(url, works, args.endpoint, args.model)) for works in rounds[1:]]
@@ -129,7 +143,7 @@ def main() -> None:
     served_rate = sum(t for t, _ in served[1:]) / sum(s for _, s in served[1:])
     local_rate = sum(t for t, _ in local[1:]) / sum(s for _, s in local[1:])
     print(f"{args.concurrency} streams x {args.output_len} tokens, {args.rounds} rounds after a warm-up, "
-          f"{args.model} {args.dtype}, /{args.endpoint}")
+          f"{args.model} {args.dtype}, /{args.endpoint}, {args.app} app, {args.threads} engine thread(s)")
     print(f"served over HTTP + Ray Serve: {served_rate:8.1f} tok/s")
     print(f"engine in-process:            {local_rate:8.1f} tok/s")
     print(f"served / in-process:          {served_rate / local_rate:8.2f}")

@@ -1,24 +1,30 @@
-"""The colocated engine's output channels (deployments/replicas/output_channels.py): one stream per replica
+"""The engines' output channels (deployments/replicas/output_channels.py): one stream per replica
 to each ingress carrying every request's outputs.
 
 The sender's rules on an asyncio loop of their own (a step's outputs of several requests in one
-item; an abort or a reader that leaves ends the requests and closes their engine streams; a channel
-no reader opened is dropped; an idle channel ends), and the served app: concurrent streams share one
-channel and get the tokens the engine makes in process, a client that leaves frees everything, and
-the channel closes once idle."""
+item; an abort or a reader that leaves ends the requests and closes their engine streams, the
+latter telling a next reader of the channel; a channel
+no reader opened is dropped; an idle channel ends); the receiver's, against a sender in the same
+loop (requests share one reader; the accepting call is the caller's: one answered past its bound
+fails the stream and the request is aborted once taken); and the served apps: concurrent streams,
+colocated and PD (D's channel), share one channel and get the tokens the engine makes in process,
+a client that leaves frees everything, the channel closes once idle, and a D killed mid-stream
+moves every request on its channel, which completes."""
 
 import asyncio
 
 import httpx
 import pytest
 
-from deployments.replicas.output_channels import ChannelSender, Ended
+from deployments.failures import ChannelClosed
+from deployments.replicas.liveness import Accepted, Heartbeat
+from deployments.replicas.output_channels import ChannelReceiver, ChannelSender, Ended
 from engine.llm_engine import LLMEngine
 from engine.config import EngineConfig
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import (assert_nothing_held, call_replica, deploy, migrations, replicas, serve_session,
-                           wait_until)
+from tests.serving import (assert_nothing_held, call_replica, deploy, migrations, processes, replicas,
+                           serve_session, sigkill, wait_until)
 
 
 class FakeStreams:
@@ -154,6 +160,135 @@ def test_a_newer_reader_takes_the_channel_over_and_the_older_one_leaves_its_requ
     assert closed == [] and channels == 1
 
 
+def test_a_request_ended_when_its_reader_left_is_told_so_to_the_next_reader():
+    """The ingress found the channel stalled (the replica alive), and the replica had taken one more
+    request on it before the reader's end reached it: that request's ingress reads it on a new
+    reader, which must learn it ended (a replica failure: it moves), not wait for it forever."""
+    async def scenario():
+        streams = FakeStreams()
+        sender = ChannelSender(streams.close, orphan_s=0.2)
+        old = sender.read("ch", heartbeat_s=0.01)
+        assert await anext(old) is None  # attached
+        sender.start("ch", "late", streams.open("late"))
+        await old.aclose()  # its ingress's reader left
+        new = sender.read("ch", heartbeat_s=10)
+        told = await anext(new)
+        await new.aclose()
+        sender.start("ch2", "x", streams.open("x"))
+        lone = sender.read("ch2", heartbeat_s=0.01)
+        assert await anext(lone) is None
+        await lone.aclose()
+        kept = sender.open_channels()  # ch2's Ended kept for a next reader
+        await asyncio.sleep(0.3)
+        return told, list(streams.closed), kept, sender.open_channels()
+
+    told, closed, kept, left = run(scenario())
+    (ended,) = told["late"]
+    assert isinstance(ended.error, ChannelClosed)
+    assert closed == ["late", "x"]
+    assert kept == 1 and left == 0  # no reader came for ch2 within orphan_s: dropped
+
+
+class Loopback:
+    """An engine deployment's handle whose calls reach one replica's ChannelSender in this loop
+    (what Serve carries between processes; options are Serve's concern and ignored)."""
+
+    REPLICA = "r1"
+
+    def __init__(self, sender: ChannelSender, streams: FakeStreams) -> None:
+        self.sender, self.streams = sender, streams
+        self.submit, self.channel, self.abort = Method(self._submit), Method(self._channel), Method(self._abort)
+
+    def options(self, **_):
+        return self
+
+    async def _submit(self, request: GenerationRequest, channel: str) -> Accepted:
+        self.sender.start(channel, request.request_id, self.streams.open(request.request_id))
+        return Accepted(self.REPLICA)
+
+    def _channel(self, channel: str, pinned: str):
+        return Call(self._items(channel))
+
+    async def _items(self, channel: str):
+        yield Accepted(self.REPLICA)
+        async for item in self.sender.read(channel, heartbeat_s=0.05):
+            yield Heartbeat() if item is None else item
+
+    def _abort(self, channel: str, request_id: str, pinned: str) -> None:
+        self.sender.abort(channel, request_id)
+
+
+class Method:
+    def __init__(self, call) -> None:
+        self.remote = call
+
+
+class Call:
+    """A streaming call's items, cancellable (what cancel_on_exit reads)."""
+
+    def __init__(self, items) -> None:
+        self.items = items
+
+    def __aiter__(self):
+        return self.items
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self.items.aclose())
+
+
+def request_of(request_id: str) -> GenerationRequest:
+    return GenerationRequest(request_id, [1, 2, 3], SamplingParams(max_new_tokens=4))
+
+
+def test_a_receivers_requests_share_one_reader_and_each_gets_its_outputs_in_order():
+    async def scenario():
+        streams = FakeStreams()
+        sender = ChannelSender(streams.close)
+        receiver = ChannelReceiver(Loopback(sender, streams), stall_timeout_s=5)
+
+        async def read(request_id: str) -> list:
+            return [item async for batch in receiver.stream(request_of(request_id)) for item in batch]
+        readers = [asyncio.create_task(read(request_id)) for request_id in ("a", "b")]
+        while len(streams.queues) < 2:  # both accepted
+            await asyncio.sleep(0.01)
+        for request_id, batch in (("a", ["a1"]), ("b", ["b1"]), ("a", ["a2"]), ("a", None), ("b", ["b2"]),
+                                  ("b", None)):
+            await streams.queues[request_id].put(batch)
+            await asyncio.sleep(0.01)
+        return [await r for r in readers], sender.open_channels(), list(streams.closed)
+
+    outputs, channels, closed = run(scenario())
+    assert outputs == [["a1", "a2"], ["b1", "b2"]]
+    assert channels == 1 and closed == []  # one channel carried both; each ended by itself
+
+
+def test_an_answer_past_the_callers_bound_fails_the_stream_and_the_request_is_aborted_once_taken():
+    """D's KV lease: the accepting call and the bound on its answer are the caller's; a replica
+    that takes the request after the bound is told to abort it (its blocks freed)."""
+    async def scenario():
+        streams = FakeStreams()
+        sender = ChannelSender(streams.close)
+        loopback = Loopback(sender, streams)
+        receiver = ChannelReceiver(loopback, stall_timeout_s=5)
+        go = asyncio.Event()
+
+        async def late(request: GenerationRequest, channel: str) -> Accepted:
+            await go.wait()  # a stopped replica, resumed after the bound
+            return await loopback.submit.remote(request, channel)
+
+        stream = receiver.stream(request_of("k"), lambda channel: late(request_of("k"), channel),
+                                 lambda answer: asyncio.wait_for(answer, 0.05))
+        with pytest.raises(TimeoutError):
+            await anext(stream)
+        go.set()
+        while not streams.closed:
+            await asyncio.sleep(0.01)
+        return list(streams.closed), list(streams.queues)
+
+    closed, started = run(scenario())
+    assert started == ["k"] and closed == ["k"]  # taken after the bound, then aborted
+
+
 # ---- served ----------------------------------------------------------------------------------
 
 MAX_TOKENS = 24
@@ -176,8 +311,8 @@ def engine_replica() -> str:
 
 
 async def stream_ids(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
-                     first: asyncio.Event | None = None) -> list[int]:
-    """A greedy /infer_token stream's token ids; ``first`` is set at its first token."""
+                     first: asyncio.Event | None = None, after: int = 1) -> list[int]:
+    """A greedy /infer_token stream's token ids; ``first`` is set once ``after`` tokens came."""
     body = {"input_id": prompt, "stream": True,
             "parameters": {"max_new_tokens": max_tokens, "ignore_eos": True, "do_sample": False}}
     ids = []
@@ -186,31 +321,41 @@ async def stream_ids(client: httpx.AsyncClient, prompt: list[int], max_tokens: i
         async for line in response.aiter_lines():
             if line.startswith("data: ") and '"token"' in line:
                 ids.append(httpx.Response(200, content=line[6:]).json()["token"]["id"])
-                if first is not None:
+                if first is not None and len(ids) >= after:
                     first.set()
     return ids
+
+
+def in_process(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The tokens the engine makes in this process for each greedy prompt (float32, batch-invariant)."""
+    engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float32", batch_invariant=True))
+    params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    outputs = engine.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    return [outputs[f"r{i}"].output_token_ids for i in range(len(prompts))]
+
+
+def streamed_with_channels(url: str, prompts: list[list[int]], replica) -> tuple[list[list[int]], list[int]]:
+    """Every prompt's greedy stream at once: their tokens, and the channels open on ``replica()``
+    read while they run and once after (a channel outlives its last request by CHANNEL_LINGER_S)."""
+    channels_seen = []
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            streams = [asyncio.create_task(stream_ids(client, p, MAX_TOKENS)) for p in prompts]
+            while not all(s.done() for s in streams):
+                channels_seen.append(await asyncio.to_thread(call_replica, replica(), "open_channels"))
+                await asyncio.sleep(0.05)
+            channels_seen.append(await asyncio.to_thread(call_replica, replica(), "open_channels"))
+            return [s.result() for s in streams]
+
+    return asyncio.run(scenario()), channels_seen
 
 
 @pytest.mark.slow
 def test_concurrent_streams_share_one_channel_and_get_the_engines_tokens(app_url):
     prompts = [list(range(5 + i, 30 + 3 * i)) for i in range(8)]
-    reference = LLMEngine(EngineConfig(model="tiny-llama", dtype="float32", batch_invariant=True)).generate(
-        [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0))
-         for i, p in enumerate(prompts)])
-    channels_seen = []
-
-    async def scenario():
-        async with httpx.AsyncClient(base_url=app_url, timeout=120) as client:
-            streams = [asyncio.create_task(stream_ids(client, p, MAX_TOKENS)) for p in prompts]
-            while not all(s.done() for s in streams):
-                channels_seen.append(await asyncio.to_thread(call_replica, engine_replica(), "open_channels"))
-                await asyncio.sleep(0.05)
-            # and once more: a channel outlives its last request by CHANNEL_LINGER_S
-            channels_seen.append(await asyncio.to_thread(call_replica, engine_replica(), "open_channels"))
-            return [s.result() for s in streams]
-
-    got = asyncio.run(scenario())
-    assert got == [reference[f"r{i}"].output_token_ids for i in range(len(prompts))]
+    got, channels_seen = streamed_with_channels(app_url, prompts, engine_replica)
+    assert got == in_process(prompts, MAX_TOKENS)
     assert max(channels_seen) == 1  # eight streams, one ingress: one channel
     assert wait_until(lambda: call_replica(engine_replica(), "open_channels") == 0, 30)  # idle: it closed
     assert_nothing_held(["LLMServer"], "channels")
@@ -243,3 +388,66 @@ def test_a_client_that_leaves_mid_stream_is_aborted_and_the_others_go_on(app_url
     assert migrations(app_url) == moves  # the channel outlived the request that opened it
     assert wait_until(lambda: aborted() == aborts + 1, 60)  # ended by the abort, not after its 500 tokens
     assert_nothing_held(["LLMServer"], "channels")
+
+
+# ---- served, PD: D's outputs on D's channel ----------------------------------------------------
+
+PD_PROMPTS = [list(range(5 + i, 30 + 3 * i)) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def pd_url(app_url):
+    """A PD app (one P, one D, every prompt through P) beside the colocated one, float32."""
+    from deployments.app import pd_app
+
+    deploy({"pdchannels": pd_app({"torch_threads": 1, "dtype": "float32", "embeddings": False,
+                                  "max_iter_times": 512, "pd_local_prefill_tokens": 0})})
+    return app_url.removesuffix("/channels") + "/pdchannels"
+
+
+def decode_replica() -> str:
+    (name,) = replicas("DecodeServer", "pdchannels")
+    return name
+
+
+@pytest.mark.slow
+def test_pd_streams_share_one_decode_channel_and_get_the_engines_tokens(pd_url):
+    moves = migrations(pd_url)
+    got, channels_seen = streamed_with_channels(pd_url, PD_PROMPTS, decode_replica)
+    assert got == in_process(PD_PROMPTS, MAX_TOKENS)
+    assert max(channels_seen) == 1  # six streams, one ingress, one D: one channel
+    assert migrations(pd_url) == moves
+    assert wait_until(lambda: call_replica(decode_replica(), "open_channels") == 0, 30)  # idle: it closed
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pdchannels")
+
+
+@pytest.mark.slow
+def test_a_decode_replica_killed_mid_stream_moves_every_request_on_its_channel_and_each_completes(pd_url):
+    """Every stream decodes on the one D (its channel carries them all) when D is SIGKILLed: each
+    request fails with the channel and moves (to P alone while no D answers, or to D once Serve has
+    replaced it), and completes with the tokens the engine makes in process."""
+    long_tokens = 400  # the streams are still decoding when D dies
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=pd_url, timeout=300) as client:
+            decoding = [asyncio.Event() for _ in PD_PROMPTS]
+            streams = [asyncio.create_task(stream_ids(client, p, long_tokens, started, after=3))
+                       for p, started in zip(PD_PROMPTS, decoding)]
+            for started in decoding:  # each has had tokens from D
+                await started.wait()
+            (decode,) = processes("DecodeServer", "pdchannels")
+            await asyncio.to_thread(sigkill, decode)
+            return [await s for s in streams]
+
+    from ray import serve
+
+    def replaced() -> bool:
+        states = serve.status().applications["pdchannels"].deployments["DecodeServer"].replica_states
+        return killed not in (names := replicas("DecodeServer", "pdchannels")) and len(names) == 1 == \
+            states.get("RUNNING", 0)
+
+    killed, moves = decode_replica(), migrations(pd_url)
+    assert asyncio.run(scenario()) == in_process(PD_PROMPTS, long_tokens)
+    assert migrations(pd_url) - moves >= len(PD_PROMPTS)  # every request on the channel moved
+    assert wait_until(replaced, 300, 0.5)
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pdchannels", 120)

@@ -1,11 +1,13 @@
 """How the ingress reaches the engines: colocated (one deployment) or disaggregated (P then D).
 
 Both yield batches of the engine's RequestOutputs (one per step per choice, in order, as the
-engine made them), so the request flow above (deployments/ingress/request_flow.py) sees what it saw. The colocated engine sends
-them on one channel per replica to this ingress, a step's outputs of all its requests in one item
-(deployments/replicas/output_channels.py). P's and D's calls stream per request: an engine server sends
-every output since its last item in one batch (deployments/replicas/servers.py), passed on as it came. When the caller stops iterating (a client went away), the request is aborted in
-its replica (the call in flight cancelled, or the channel told), which frees its blocks.
+engine made them), so the request flow above (deployments/ingress/request_flow.py) sees what it
+saw. Every engine's outputs come on one channel per replica and ingress, a step's outputs of all
+its requests in one item (deployments/replicas/output_channels.py): the colocated engine's, D's
+(after P's reply, prefilling locally, or alone) and P's when it serves alone. P's reply, the one
+thing the ingress hands on before D, comes on a call of its own per request. When the caller stops
+iterating (a client went away), the request is aborted in its replica (the channel told, or P's
+call cancelled), which frees its blocks.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from deployments.pd.decode_watch import NO_PREFILL_ANSWER, DecodeWatch
 from deployments.pd.disaggregation import NO_DECODE_REPLICA, NO_PLAN, NO_PREFILL_REPLICA, Decision, DisaggregationPolicy
 from deployments.failures import DecodeDown, KVLeaseExpired, NoDecodeReplica, NoPrefillReplica
 from deployments.pd.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
-from deployments.replicas.liveness import taken_then_watched, watched
+from deployments.replicas.liveness import Accepted, taken_then_watched
 from deployments.replicas.output_channels import ChannelReceiver
-from deployments.ingress.streams import cancel_all, cancel_on_exit
+from deployments.ingress.streams import cancel_all
 from deployments.ingress.tracing import KVTransfer, RequestTrace
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
@@ -42,16 +44,11 @@ class ColocatedBackend:
         self.handles = {"LLMServer": llm}
         self.channels = ChannelReceiver(llm, stall_timeout_s)
 
-    async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None
-                     ) -> AsyncIterator[list[RequestOutput]]:
+    def stream(self, request: GenerationRequest, trace: RequestTrace | None = None
+               ) -> AsyncIterator[list[RequestOutput]]:
         """The engine's output batches; a replica failure if its replica stops or dies mid-stream.
         The one replica may be restarting: no bound on its taking the request but the deadline."""
-        async with aclosing(self.channels.stream(request)) as batches:
-            async for batch in batches:
-                if trace:
-                    for output in batch:
-                        trace.record_prefill(output)
-                yield batch
+        return _traced(self.channels.stream(request), trace)
 
 
 class PDBackend:
@@ -67,11 +64,16 @@ class PDBackend:
        pinned, with P's reply. The KV goes from P to D through the KV connector
        (deployments/pd/kv_connector.py): only its handle passes through here.
 
+    D's outputs, whichever way it serves, come on its channel to this ingress (one per D replica,
+    deployments/replicas/output_channels.py): D's call answers once it has taken the request, and the
+    request's KV fetch (its record, for the trace) and outputs follow on the channel.
+
     The ingress owns the KV from P's reply until a D replica takes the request, so it outlives P's
     replica. A D replica must take the request within ``kv_lease_s``; one that does not (stalled,
-    or never reached) has its call cancelled and the request fails with ``KVLeaseExpired``, a
-    replica failure: deployments/ingress/migration.py prefills it again. One that stops once it has taken
-    the request fails it with ``ReplicaStalled`` after ``stall_timeout_s`` (liveness.py).
+    or never reached) is no longer waited for, and the request fails with ``KVLeaseExpired``, a
+    replica failure: deployments/ingress/migration.py prefills it again (a D that takes it later is
+    told to abort it). One that stops once it has taken the request fails every request on its
+    channel with ``ReplicaStalled`` after ``stall_timeout_s`` (liveness.py).
 
     While no D replica can answer (``DecodeWatch``, deployments/pd/decode_watch.py), P serves new
     requests whole, as a colocated engine, and a request waiting for a D to take its KV fails with
@@ -91,6 +93,8 @@ class PDBackend:
         self.policy = policy
         self.kv: KVConnector = kv or ObjectStoreConnector()
         self.handles = {"PrefillServer": prefill, "DecodeServer": decode}
+        self.prefill_channels = ChannelReceiver(prefill, stall_timeout_s)  # P alone (no D answers)
+        self.decode_channels = ChannelReceiver(decode, stall_timeout_s)
         self.prefill_tokens_in_flight = 0  # prompt tokens this ingress has asked P to compute, not answered yet
         self.decisions: Counter[tuple[str, str]] = Counter()  # (where: decode/prefill, reason) -> requests
         self.prompt_tokens: Counter[str] = Counter()  # by who had them: decode_cache, decode, prefill
@@ -126,8 +130,7 @@ class PDBackend:
             self.prompt_tokens["decode_cache"] += cached
             self.prompt_tokens["decode" if decision.local else "prefill"] += num_tokens - cached
         if decision.local:
-            call = self.decode.options(stream=True, _by_reference=False).generate.remote(request, pinned=pinned)
-            steps = _served(call, self.stall_timeout_s, trace)
+            steps = self._whole(self.decode_channels, None, request, trace, pinned)
         else:
             reply = await self.prefill_step(request, cached)
             if trace:
@@ -148,7 +151,8 @@ class PDBackend:
         ``prefill_only`` decision; NoDecodeReplica instead with degradation off."""
         if not self.degrade_to_prefill:
             raise NoDecodeReplica(f"{self.watch.why_down()} and pd_degrade_to_prefill is off")
-        return self._whole(self.prefill, ("prefill_only", NO_DECODE_REPLICA) if counted else None, request, trace)
+        return self._whole(self.prefill_channels, ("prefill_only", NO_DECODE_REPLICA) if counted else None,
+                           request, trace)
 
     def decode_only(self, request: GenerationRequest, trace: RequestTrace | None = None,
                     counted: bool = True) -> AsyncIterator[list[RequestOutput]]:
@@ -156,16 +160,18 @@ class PDBackend:
         a ``decode_only`` decision; NoPrefillReplica instead with degradation off."""
         if not self.degrade_to_decode:
             raise NoPrefillReplica(f"{NO_PREFILL_ANSWER} and pd_degrade_to_decode is off")
-        return self._whole(self.decode, ("decode_only", NO_PREFILL_REPLICA) if counted else None, request, trace)
+        return self._whole(self.decode_channels, ("decode_only", NO_PREFILL_REPLICA) if counted else None,
+                           request, trace)
 
-    def _whole(self, handle: DeploymentHandle, decision: tuple[str, str] | None, request: GenerationRequest,
-               trace: RequestTrace | None) -> AsyncIterator[list[RequestOutput]]:
-        """The output batches of ``handle``'s engine serving the whole request; ``decision`` (where,
-        why) counted unless None."""
+    def _whole(self, channels: ChannelReceiver, decision: tuple[str, str] | None, request: GenerationRequest,
+               trace: RequestTrace | None, pinned: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        """The output batches of an engine serving the whole request, on its replica's channel
+        (``channels``: P's or D's); ``decision`` (where, why) counted unless None; ``pinned``: the
+        D replica whose prefix hold the request uses (None: routed)."""
         if decision is not None:
             self.decisions[decision] += 1
-        call = handle.options(stream=True, _by_reference=False).generate.remote(request)
-        return _served(call, self.stall_timeout_s, trace)
+        accept = None if pinned is None else functools.partial(channels.submit.remote, request, pinned=pinned)
+        return _traced(channels.stream(request, accept), trace)
 
     async def prefill_step(self, request: GenerationRequest, kv_export_start: int = 0) -> PrefillReply:
         """P's reply, with the handle to its KV (owned here) from token ``kv_export_start`` on,
@@ -186,46 +192,42 @@ class PDBackend:
 
     def decode_step(self, request: GenerationRequest, reply: PrefillReply, trace: RequestTrace | None = None,
                     pinned: str | None = None) -> AsyncIterator[list[RequestOutput]]:
-        """D's output batches after P's ``reply``; KVLeaseExpired if no D takes the request within the
-        lease. ``pinned``: the D replica that holds the prefix P's KV continues. Taking the
-        request, D holds its own handle to the KV: the ingress drops its own."""
-        call = self.decode.options(stream=True).decode.remote(request, reply, pinned=pinned)
-        return _served(call, self.stall_timeout_s, trace, self.kv_lease_s, lambda: self.kv.release(reply),
-                       self.watch.until_down)
+        """D's output batches after P's ``reply``, on D's channel; KVLeaseExpired if no D takes the
+        request within the lease, DecodeDown if every D stops answering first. ``pinned``: the D
+        replica that holds the prefix P's KV continues. Taking the request, D holds its own handle
+        to the KV: the ingress drops its own."""
+        async def taken(accepted: Awaitable[Accepted]) -> Accepted:
+            accepted = await _taken(accepted, self.kv_lease_s, self.watch.until_down)
+            self.kv.release(reply)
+            return accepted
+
+        accept = functools.partial(self.decode.decode.remote, request, reply, pinned=pinned)
+        return _traced(self.decode_channels.stream(request, accept, taken), trace, decoded=True)
 
 
-async def _served(call, stall_timeout_s: float, trace: RequestTrace | None, lease_s: float | None = None,
-                  on_taken: Callable[[], None] | None = None,
-                  until_down: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[list[RequestOutput]]:
-    """A streaming engine call's output batches: its ``Accepted`` first (within ``lease_s`` when given:
-    KVLeaseExpired otherwise; DecodeDown if ``until_down()`` returns first; ``on_taken`` then),
-    then each batch it sends, in order, while it shows signs of life (liveness.py).
-    Its KV fetch and its engine's times go to ``trace``: a call that took P's KV decodes, any
-    other prefilled too."""
-    async with aclosing(cancel_on_exit(call)) as items:
-        accepted = await _taken(anext(items), lease_s, until_down)
-        if on_taken is not None:
-            on_taken()
-        async for item in watched(items, stall_timeout_s, accepted.replica):
-            if isinstance(item, KVTransfer):
+async def _traced(batches: AsyncIterator[list], trace: RequestTrace | None, decoded: bool = False
+                  ) -> AsyncIterator[list[RequestOutput]]:
+    """A channel's output batches for one request; ``trace`` learns the engine's times (of a
+    request that D decodes after P, ``decoded``, else of one that an engine prefilled) and D's
+    KV fetch, a KVTransfer that comes before any output and goes no further."""
+    async with aclosing(batches):
+        async for batch in batches:
+            if isinstance(batch[0], KVTransfer):
                 if trace:
-                    trace.record_kv(item)
-                continue
+                    trace.record_kv(batch[0])
+                del batch[0]
+                if not batch:
+                    continue
             if trace:
-                record = trace.record_prefill if lease_s is None else trace.record_decode
-                for output in item:
+                record = trace.record_decode if decoded else trace.record_prefill
+                for output in batch:
                     record(output)
-            yield item
+            yield batch
 
 
-async def _taken(accepted: Awaitable, lease_s: float | None, until_down: Callable[[], Awaitable[None]] | None):
-    """``accepted``'s result; KVLeaseExpired past ``lease_s`` (None: no bound), DecodeDown if
-    ``until_down()`` returns first. The losers are cancelled."""
-    if until_down is None:  # the common path: no task of its own
-        try:
-            return await asyncio.wait_for(accepted, lease_s)
-        except TimeoutError:
-            raise _lease_expired(lease_s) from None
+async def _taken(accepted: Awaitable, lease_s: float, until_down: Callable[[], Awaitable[None]]) -> Accepted:
+    """``accepted``'s result; KVLeaseExpired past ``lease_s``, DecodeDown if ``until_down()`` returns
+    first. The losers are cancelled."""
     taken = asyncio.ensure_future(accepted)
     down = asyncio.ensure_future(until_down())
     waiting = {taken, down}
@@ -237,9 +239,4 @@ async def _taken(accepted: Awaitable, lease_s: float | None, until_down: Callabl
         return taken.result()
     if down in done:
         raise DecodeDown("no decode replica answers: the request moves before its KV lease ends")
-    raise _lease_expired(lease_s)
-
-
-def _lease_expired(lease_s: float) -> KVLeaseExpired:
-    return KVLeaseExpired(f"no decode replica took the request within the {lease_s:g} s lease of its KV")
-
+    raise KVLeaseExpired(f"no decode replica took the request within the {lease_s:g} s lease of its KV")

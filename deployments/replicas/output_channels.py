@@ -4,36 +4,44 @@ A stream per request costs a replica one Ray Serve item per request per step (a 
 a wake-up of the replica's and the ingress's loops, under the GIL the engine thread needs): at 32
 running requests, 32 items a step. A channel carries one ingress's outputs of a step, for all its
 requests on that replica, in one item (SGLang's detokenizer and vLLM's output socket do the same
-between their processes). The protocol, between a replica's ``ChannelSender`` and an ingress's
-``ChannelReceiver``:
+between their processes). Every engine role sends its outputs this way: the colocated engine, D
+(after P's reply, its local prefill, alone) and P alone; only P's reply to the ingress is a call
+of its own. The protocol, between a replica's ``ChannelSender`` and an ingress's ``ChannelReceiver``:
 
-1. ``submit(request, channel)``: routed as any request (prefix affinity and load,
-   deployments/pd/routing.py). The replica checks the request, starts it in its engine and answers
-   ``Accepted``; the request's outputs go to ``channel`` (the ingress's id), keyed by request id (a
-   migrated request runs under a new id: its old replica's late outputs never reach it).
+1. an accepting call, ``submit(request, channel)`` (or D's ``decode(request, reply, channel)``):
+   routed as any request (prefix affinity and load, deployments/pd/routing.py), or pinned. The
+   replica checks the request, starts it and answers ``Accepted``; the request's outputs go to
+   ``channel`` (the ingress's id), keyed by request id (a migrated request runs under a new id: its
+   old replica's late outputs never reach it).
 2. ``channel(channel, pinned=replica)``: one streaming call per ingress and replica, opened by the
    ingress once a request was accepted there and none is open. It yields ``Accepted``, then dicts of
-   request id -> the outputs made since the last item, in order (an ``Ended`` closes a request's
-   list, with the error that ended it, if any), and a ``Heartbeat`` while there is nothing to send
+   request id -> the items made since the last item, in order (the engine's outputs; D's record of
+   its KV fetch, a KVTransfer, before them; an ``Ended`` closes a request's list, with the error
+   that ended it, if any), and a ``Heartbeat`` while there is nothing to send
    (deployments/replicas/liveness.py).
-3. ``abort(channel, request_id)``: the reader of a request went away (its client left): the replica
-   aborts it and frees its blocks.
+3. ``abort(channel, request_id)``: the reader of a request went away (its client left), or its
+   acceptance came too late (D past the KV lease): the replica aborts it and frees its blocks.
 
 A replica ends a channel once it has carried no request for ``CHANNEL_LINGER_S`` (so a replica
 that Serve drains shuts down once its requests end); the ingress opens a new one for the requests
 accepted meanwhile. A channel that fails (the replica died or stalled: no item for
 ``stall_timeout_s``) fails each of its requests as a replica failure, and they migrate
-(deployments/ingress/migration.py); the replica cancels the requests of a channel whose reader left, and of
-one that no reader opened within ``ORPHAN_S`` (its ingress died after submitting).
+(deployments/ingress/migration.py); the replica cancels the requests of a channel whose reader left
+(a next reader of the channel learns they ended, with ``ChannelClosed``: a request accepted there
+after its ingress's reader failed moves too), and of one that no reader opened within ``ORPHAN_S``
+(its ingress died after submitting).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+import functools
 import uuid
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
+
+from ray.serve import context as serve_context
 
 from deployments.failures import ChannelClosed
 from deployments.replicas.liveness import Accepted, taken_then_watched
@@ -112,7 +120,8 @@ class ChannelSender:
         """The channel's items: every request's outputs since the last one, or None after
         ``heartbeat_s`` without any (the server turns it into a Heartbeat while its engine runs).
         Ends once the channel has had no request for ``linger_s``; leaving it early (the ingress
-        closed it, or died) cancels the channel's requests, unless a newer reader took it over."""
+        closed it, or died, or found it stalled) cancels the channel's requests, unless a newer
+        reader took it over (``_reader_left``)."""
         channel = self._channels.setdefault(channel_id, _Channel())
         self._readers += 1
         generation = channel.reader = self._readers
@@ -136,8 +145,21 @@ class ChannelSender:
                         return
                 yield None
         finally:
-            if channel.reader == generation:  # not taken over: this channel is done
-                self._close(channel_id, channel)
+            if channel.reader == generation:  # not taken over
+                self._reader_left(channel_id, channel)
+
+    def _reader_left(self, channel_id: str, channel: _Channel) -> None:
+        """End the channel's requests. Each gets an ``Ended(ChannelClosed)`` that a next reader of
+        the channel delivers: its ingress may have accepted it after this reader failed (a stall
+        seen there, the replica alive), and reads it on a new reader; kept until ``orphan_s``."""
+        channel.reader = 0
+        for request_id in list(channel.tasks):
+            self._end(channel, request_id)
+            channel.put(request_id, [Ended(ChannelClosed("the channel this request's outputs went on closed"))])
+        if channel.pending:
+            asyncio.get_running_loop().call_later(self.orphan_s, self._drop_orphan, channel_id, channel)
+        else:
+            self._close(channel_id, channel)
 
     def _drop_orphan(self, channel_id: str, channel: _Channel) -> None:
         if not channel.reader:
@@ -169,21 +191,29 @@ class ChannelReceiver:
         """``handle``: the engine deployment's DeploymentHandle."""
         self.channel_id = uuid.uuid4().hex
         self.stall_timeout_s = stall_timeout_s
-        self._submit = handle.options(_by_reference=False).submit
+        self.submit = handle.options(_by_reference=False).submit  # the default accepting call (``stream``)
         self._open = handle.options(stream=True, _by_reference=False).channel
         self._abort = handle.options(_by_reference=False).abort
         self._inboxes: dict[str, _Inbox] = {}  # request id -> its outputs, as the readers deliver them
         self._readers: dict[str, _Reader] = {}  # replica id -> the task reading its channel
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[RequestOutput]]:
+    async def stream(self, request: GenerationRequest, accept: Callable[[str], Awaitable[Accepted]] | None = None,
+                     taken: Callable[[Awaitable[Accepted]], Awaitable[Accepted]] | None = None
+                     ) -> AsyncIterator[list]:
         """The request's outputs, in batches of what arrived since the last; its error when the
         engine ended it with one; a replica failure when its replica's channel fails
-        (deployments/failures.py). Leaving early aborts it."""
+        (deployments/failures.py). ``accept(channel_id)``: the call that has a replica start the
+        request with its outputs on this channel, and answers its ``Accepted`` (default: ``submit``,
+        routed); ``taken(answer)``: waits for that answer (default: for as long as it takes; D's KV
+        lease bounds it, deployments/pd/backends.py). Leaving early, or an answer past ``taken``'s
+        bound, aborts the request once its replica has accepted it."""
         inbox = self._inboxes[request.request_id] = _Inbox()
-        submitted = asyncio.ensure_future(_outside_request(self._submit.remote, request, self.channel_id))
+        accept = accept or functools.partial(self.submit.remote, request)
+        submitted = asyncio.ensure_future(_outside_request(accept, self.channel_id))
         reader, ended = None, False
         try:
-            accepted: Accepted = await asyncio.shield(submitted)
+            answer = asyncio.shield(submitted)
+            accepted: Accepted = await (answer if taken is None else taken(answer))
             reader = self._reader(accepted.replica)
             reader.requests.add(request.request_id)
             while not ended:
@@ -248,10 +278,18 @@ class ChannelReceiver:
 
 
 def _outside_request(call, *args, **kwargs):
-    """``call(*args, **kwargs)`` as no Serve request's child: Serve cancels the calls a request
-    made when it is cancelled (its client left), and a channel, a submit whose answer decides the
-    abort, and the abort itself must outlive the request that made them."""
-    return contextvars.Context().run(call, *args, **kwargs)
+    """``call(*args, **kwargs)`` as no Serve request's child, under the request's id (the
+    replicas' logs name it): Serve cancels the calls a request made when it is cancelled (its
+    client left), and an accepting call whose answer decides the abort, and the abort itself, must
+    outlive the request that made them. Serve finds a request's children by its context: those made
+    under ``cancel_on_parent_request_cancel`` once routed, and while being routed every call made
+    under its internal id; the call gets an internal id of its own."""
+    context = contextvars.copy_context()
+    parent = context.get(serve_context._serve_request_context)
+    if parent is not None:
+        context.run(serve_context._serve_request_context.set,
+                    replace(parent, cancel_on_parent_request_cancel=False, _internal_request_id=uuid.uuid4().hex))
+    return context.run(call, *args, **kwargs)
 
 
 class _Reader:

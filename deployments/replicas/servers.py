@@ -5,10 +5,16 @@ the engine's own priority scheduler, not Ray Serve's FIFO routing, orders the re
 Each reports its load (``load``) to the request routers (deployments/pd/routing.py) and to the
 autoscaler (deployments/replicas/autoscaling.py): P its queued prompt tokens, D and colocated their
 requests and KV usage.
+
+A request's outputs leave a replica on the ingress's channel (deployments/replicas/output_channels.py):
+``submit`` (a whole request: colocated, D's local prefill, P or D alone) or D's ``decode`` (after P's
+reply) starts it and answers ``Accepted``; ``channel`` carries every request's outputs to that
+ingress; ``abort`` ends one. P's ``prefill`` alone streams per request: its reply and the KV's handle.
 """
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from dataclasses import dataclass
 import os
 from typing import Any, AsyncIterator
@@ -27,7 +33,6 @@ from deployments.replicas.load_meter import LoadMeter
 from deployments.replicas.output_channels import ChannelSender
 from deployments.replicas.lora_store import LoraCache
 from deployments.pd.routing import STATS_PERIOD_S, EngineRouter
-from deployments.ingress.tracing import KVTransfer
 from engine.async_engine import AsyncEngine, EngineStats
 from engine.config import EngineConfig
 from engine.model_info import ModelInfo
@@ -120,30 +125,20 @@ class _StreamingServer(_EngineServer):
             raise RuntimeError(f"an engine step has run {running_s:.0f} s, past step_timeout_s "
                                f"({self.step_timeout_s:g} s)")
 
-    async def _streamed(self, items: AsyncIterator, pinned: str | None = None) -> AsyncIterator:
+    async def _streamed(self, items: AsyncIterator) -> AsyncIterator:
         """A stream's items after ``Accepted``, with heartbeats while it has nothing to send
-        (deployments/replicas/liveness.py). A call ``pinned`` to another replica (the one that holds the
-        request's prefix died, and Serve routed it elsewhere) fails as a replica failure."""
-        if pinned is not None and pinned != replica_id():
-            raise PrefixLost("the decode replica holding this request's prefix is gone")
+        (deployments/replicas/liveness.py)."""
         yield Accepted(replica_id())
         async for item in heartbeats(items, self.heartbeat_s, self.responsive):
             yield item
 
-    async def generate(self, request: GenerationRequest, pinned: str | None = None
-                       ) -> AsyncIterator[Accepted | Heartbeat | list[RequestOutput]]:
-        """The whole request in this engine: colocated, or D prefilling locally (``pinned`` to
-        the D replica whose prefix hold it uses, deployments/pd/routing.py). Outputs go in batches,
-        every output made since the last item (AsyncEngine.generate_batches): one Ray Serve item
-        per wake-up of this replica's loop, not one per token."""
-        lora = await self.loras.adapter(request.lora)
-        async for item in self._streamed(self._metered(self.engine.generate_batches(request, lora)), pinned):
-            yield item
-
-    async def submit(self, request: GenerationRequest, channel: str) -> Accepted:
+    async def submit(self, request: GenerationRequest, channel: str, pinned: str | None = None) -> Accepted:
         """Start the whole request in this engine, its outputs going to the ingress's ``channel``
-        (deployments/replicas/output_channels.py); ``Accepted`` once it is queued, its error (a bad request)
-        at once."""
+        (deployments/replicas/output_channels.py): colocated, P or D alone, or D prefilling locally
+        (``pinned`` to the D replica whose prefix hold it uses, deployments/pd/routing.py).
+        ``Accepted`` once it is queued, its error (a bad request) at once. Outputs go in batches,
+        every output made since the last item (AsyncEngine.open_batches)."""
+        _check_pinned(pinned)
         lora = await self.loras.adapter(request.lora)
         self.channels.start(channel, request.request_id, self._metered(self.engine.open_batches(request, lora)))
         return Accepted(replica_id())
@@ -238,6 +233,13 @@ class PrefillServer(_KVServer):
         return {"queued_prompt_tokens": self.engine.stats().queued_prompt_tokens}
 
 
+def _check_pinned(pinned: str | None) -> None:
+    """A call ``pinned`` to another replica (the D that holds the request's prefix died, and Serve
+    routed the call elsewhere) fails as a replica failure."""
+    if pinned is not None and pinned != replica_id():
+        raise PrefixLost("the decode replica holding this request's prefix is gone")
+
+
 def _fault_hooks_on() -> None:
     if os.environ.get("PDSERVE_FAULT_HOOKS") != "1":
         raise PermissionError("fault hooks are off (PDSERVE_FAULT_HOOKS=1 turns them on, for tests)")
@@ -272,27 +274,30 @@ class DecodeServer(_KVServer):
                           self.meter.token_ms())
         return DecodePlan(replica_id(), cached, load)
 
-    async def decode(self, request: GenerationRequest, reply: PrefillReply, pinned: str | None = None
-                     ) -> AsyncIterator[Accepted | Heartbeat | KVTransfer | list[RequestOutput]]:
-        """Take the request (``Accepted`` at once: the ingress's lease ends there), queue it in the
-        engine without its KV, load the KV once the engine holds blocks for it (``KVWanted``), then
-        stream the tokens after the first, in batches (``generate``). Yields the load's KVTransfer
-        (for the request's trace) before them. ``pinned``: the replica whose prefix P's KV continues."""
-        async for item in self._streamed(self._decoded(request, reply), pinned):
-            yield item
+    async def decode(self, request: GenerationRequest, reply: PrefillReply, channel: str,
+                     pinned: str | None = None) -> Accepted:
+        """Take the request after P's ``reply`` (``Accepted`` at once: the ingress's KV lease ends
+        there), its items going to the ingress's ``channel`` (deployments/replicas/output_channels.py):
+        the engine queues it without its KV, the KV is fetched once the engine holds blocks for it
+        (``KVWanted``), its KVTransfer goes first (for the request's trace), then the tokens after the
+        first. ``pinned``: the replica whose prefix P's KV continues."""
+        _check_pinned(pinned)
+        self.channels.start(channel, request.request_id, self._decoded(request, reply))
+        return Accepted(replica_id())
 
-    async def _decoded(self, request: GenerationRequest, reply: PrefillReply) -> AsyncIterator:
-        lora = await self.loras.adapter(request.lora)
+    async def _decoded(self, request: GenerationRequest, reply: PrefillReply) -> AsyncIterator[list]:
+        lora = await self.loras.adapter(request.lora)  # on the channel: its heartbeats cover a slow fetch
         previous = None  # when the stream sent its last batch
-        async for batch in self.engine.decode_batches(request, reply.handoff, lora):
-            outputs = [item for item in batch if not isinstance(item, KVWanted)]
-            if len(outputs) < len(batch):  # KVWanted: no token can precede it (they need the KV)
-                data, transfer = await self.kv.fetch(request.request_id, reply)
-                self.engine.receive_kv(request.request_id, data)
-                yield transfer
-            if outputs:
-                previous = self.meter.sent(outputs, previous)
-                yield outputs
+        async with aclosing(self.engine.decode_batches(request, reply.handoff, lora)) as batches:
+            async for batch in batches:
+                outputs = [item for item in batch if not isinstance(item, KVWanted)]
+                if len(outputs) < len(batch):  # KVWanted: no token can precede it (they need the KV)
+                    data, transfer = await self.kv.fetch(request.request_id, reply)
+                    self.engine.receive_kv(request.request_id, data)
+                    yield [transfer]
+                if outputs:
+                    previous = self.meter.sent(outputs, previous)
+                    yield outputs
 
     def hang_next_fetch(self, seconds: float) -> None:
         """The tests' fault hook: this replica's next KV fetch takes ``seconds`` longer, as over a slow
