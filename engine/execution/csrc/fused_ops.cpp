@@ -186,8 +186,14 @@ void silu_mul_(torch::Tensor gate_up) {
 torch::Tensor invariant_linear(const torch::Tensor& x, const torch::Tensor& weight);  // invariant_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm_", &add_rms_norm_, "x += delta; out = weight * rms_norm(x) (see the file's header)");
-  m.def("rope_", &rope_, "RoPE on q and k in place");
-  m.def("silu_mul_", &silu_mul_, "gate_up[:, :I] = silu(gate) * up in place");
-  m.def("invariant_linear", &invariant_linear, "x @ weight^T in one fixed order per output (invariant_linear.cpp)");
+  // Each kernel runs without the GIL, as torch's own ops do: the replica's event loop (Serve's calls,
+  // the output channels) and other Python threads run while it computes.
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta; out = weight * rms_norm(x) (see the file's header)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope_", &rope_, "RoPE on q and k in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul_", &silu_mul_, "gate_up[:, :I] = silu(gate) * up in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("invariant_linear", &invariant_linear, "x @ weight^T in one fixed order per output (invariant_linear.cpp)",
+        py::call_guard<py::gil_scoped_release>());
 }

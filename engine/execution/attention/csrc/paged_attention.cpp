@@ -502,5 +502,8 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged attention over the KV pool, in place (see the file's header)");
+  // Each kernel runs without the GIL, as torch's own ops do: the replica's event loop (Serve's calls,
+  // the output channels) and other Python threads run while it computes.
+  m.def("paged_attention", &paged_attention, "Paged attention over the KV pool, in place (see the file's header)",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -405,8 +405,13 @@ void quant_gemv(const torch::Tensor& x, const std::vector<torch::Tensor>& raws, 
                 torch::Tensor out);  // quant_gemv.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_gemv", &quant_gemv, "out[1, N] = x[1, K] @ W^T, x quantized to int8 per 32 (Q4_0, Q4_1, Q8_0 segments)");
-  m.def("quant_linear", &quant_linear, "out[M, N] = x[M, K] @ dequantized(raw)^T, float32 (GGUF blocks)");
+  // Each kernel runs without the GIL, as torch's own ops do: the replica's event loop (Serve's calls,
+  // the output channels) and other Python threads run while it computes.
+  m.def("quant_gemv", &quant_gemv, "out[1, N] = x[1, K] @ W^T, x quantized to int8 per 32 (Q4_0, Q4_1, Q8_0 segments)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_linear", &quant_linear, "out[M, N] = x[M, K] @ dequantized(raw)^T, float32 (GGUF blocks)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("has_bf16_dot", &has_bf16_dot, "whether quant_linear takes bfloat16 x (AVX512-BF16 build)");
-  m.def("dequantize_rows", &dequantize_rows, "raw [R, row bytes] GGUF blocks -> float32 [R, K]");
+  m.def("dequantize_rows", &dequantize_rows, "raw [R, row bytes] GGUF blocks -> float32 [R, K]",
+        py::call_guard<py::gil_scoped_release>());
 }
