@@ -15,14 +15,15 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import (assert_nothing_held, deploy, element_size, migrations, serve_session, sse_events,
-                           wait_until)
+from tests.serving import (assert_nothing_held, deploy, element_size, holdings, migrations, serve_session,
+                           sse_events, wait_until)
 
 pytestmark = pytest.mark.slow
 
 THRESHOLD = 20  # the "pd" app's pd_local_prefill_tokens
 APPS = {  # float64: reused and recomputed KV agree to the last bit, whatever the chunking
-    "pd": {"pd_local_prefill_tokens": THRESHOLD},
+    # kv_lease_s far past any wait here: a prefix hold that lasts until it lapses fails the hold test
+    "pd": {"pd_local_prefill_tokens": THRESHOLD, "kv_lease_s": 600},
     # Also the priority test's app: 2 sequences at a time (the conversations run one request at a time)
     "off": {"pd_local_prefill_tokens": 0, "pd_decode_prefix_reuse": False, "max_num_seqs": 2},
     "local": {"pd_local_prefill_tokens": 100_000},
@@ -148,6 +149,26 @@ def test_the_policy_chooses_as_configured_and_says_so_in_metrics(base_url):
     # D now holds the 64 tokens of its first 4 blocks: 10 more are within the threshold, D computes them.
     infer(base_url, "pd", long_prompt[:64] + [9] * 10, max_new_tokens=3)
     assert (decisions("cached_prefix"), transfers.remote().result()["count"]) == (cached + 1, count + 1)
+
+
+def test_a_prefix_hold_ends_with_a_request_that_never_reached_d(base_url):
+    """D holds the prefix it told the ingress of (plan) for the request; a request that P's first token
+    ends never comes to D, and the ingress tells D so (``release``): the hold ends with the request,
+    not when the app's kv_lease_s (600 s here) lapses."""
+    prompt = [(11 * i) % 800 + 5 for i in range(70)]
+    infer(base_url, "pd", prompt, max_new_tokens=3)  # no prefix anywhere: through P, D keeps the KV
+    # D holds the first 32 tokens (two blocks); the 40 after them are past the threshold: P computes them
+    # and its first token is the whole answer, so D is never called
+    remote = metric(base_url, "pd", "pdserve_pd_prefill_decisions", 'reason="remote",where="prefill"')
+    holds_seen = []
+
+    def released() -> bool:
+        holds_seen.append(sum(h["prefix_holds"] for h in holdings("DecodeServer", "pd").values()))
+        return holds_seen[-1] == 0
+
+    assert len(infer(base_url, "pd", prompt[:32] + [9] * 40, max_new_tokens=1)) == 1
+    assert metric(base_url, "pd", "pdserve_pd_prefill_decisions", 'reason="remote",where="prefill"') == remote + 1
+    assert wait_until(released, 60, 0.2), f"D's prefix holds: {holds_seen[-5:]}"
 
 
 def test_priority_holds_across_p_the_hand_off_and_d_under_a_saturating_load(base_url):

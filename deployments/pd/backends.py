@@ -26,7 +26,7 @@ from deployments.pd.disaggregation import NO_DECODE_REPLICA, NO_PLAN, NO_PREFILL
 from deployments.failures import DecodeDown, KVLeaseExpired, NoDecodeReplica, NoPrefillReplica
 from deployments.pd.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.replicas.liveness import Accepted, taken_then_watched
-from deployments.replicas.output_channels import ChannelReceiver
+from deployments.replicas.output_channels import ChannelReceiver, detached
 from deployments.ingress.streams import cancel_all
 from deployments.ingress.tracing import KVTransfer, RequestTrace
 from engine.outputs import RequestOutput
@@ -95,6 +95,7 @@ class PDBackend:
         self.handles = {"PrefillServer": prefill, "DecodeServer": decode}
         self.prefill_channels = ChannelReceiver(prefill, stall_timeout_s)  # P alone (no D answers)
         self.decode_channels = ChannelReceiver(decode, stall_timeout_s)
+        self._release = decode.options(_by_reference=False).release  # a planned request's prefix hold
         self.prefill_tokens_in_flight = 0  # prompt tokens this ingress has asked P to compute, not answered yet
         self.decisions: Counter[tuple[str, str]] = Counter()  # (where: decode/prefill, reason) -> requests
         self.prompt_tokens: Counter[str] = Counter()  # by who had them: decode_cache, decode, prefill
@@ -129,21 +130,25 @@ class PDBackend:
             self.decisions["decode" if decision.local else "prefill", decision.reason] += 1
             self.prompt_tokens["decode_cache"] += cached
             self.prompt_tokens["decode" if decision.local else "prefill"] += num_tokens - cached
-        if decision.local:
-            steps = self._whole(self.decode_channels, None, request, trace, pinned)
-        else:
-            reply = await self.prefill_step(request, cached)
-            if trace:
-                for output in reply.outputs:
-                    trace.record_prefill(output)
-            if reply.outputs:
-                yield list(reply.outputs)
-            if reply.handoff is None:
-                return
-            steps = self.decode_step(request, reply, trace, pinned)
-        async with aclosing(steps) as batches:
-            async for batch in batches:
-                yield batch
+        try:
+            if decision.local:
+                steps = self._whole(self.decode_channels, None, request, trace, pinned)
+            else:
+                reply = await self.prefill_step(request, cached)
+                if trace:
+                    for output in reply.outputs:
+                        trace.record_prefill(output)
+                if reply.outputs:
+                    yield list(reply.outputs)
+                if reply.handoff is None:
+                    return
+                steps = self.decode_step(request, reply, trace, pinned)
+            async with aclosing(steps) as batches:
+                async for batch in batches:
+                    yield batch
+        finally:
+            if pinned is not None:  # the planning D holds the prompt's prefix for the request until told
+                detached(self._release.remote, request.request_id, pinned=pinned)
 
     def prefill_only(self, request: GenerationRequest, trace: RequestTrace | None = None,
                      counted: bool = True) -> AsyncIterator[list[RequestOutput]]:

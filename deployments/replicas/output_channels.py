@@ -209,7 +209,7 @@ class ChannelReceiver:
         bound, aborts the request once its replica has accepted it."""
         inbox = self._inboxes[request.request_id] = _Inbox()
         accept = accept or functools.partial(self.submit.remote, request)
-        submitted = asyncio.ensure_future(_outside_request(accept, self.channel_id))
+        submitted = asyncio.ensure_future(detached(accept, self.channel_id))
         reader, ended = None, False
         try:
             answer = asyncio.shield(submitted)
@@ -238,7 +238,7 @@ class ChannelReceiver:
         """Abort a request whose reader left, once its replica has accepted it (at once if it has)."""
         def abort(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is None:
-                _outside_request(self._abort.remote, self.channel_id, request_id, pinned=done.result().replica)
+                detached(self._abort.remote, self.channel_id, request_id, pinned=done.result().replica)
 
         submitted.add_done_callback(abort)
 
@@ -277,7 +277,7 @@ class ChannelReceiver:
                     inbox.wake()
 
 
-def _outside_request(call, *args, **kwargs):
+def detached(call, *args, **kwargs):
     """``call(*args, **kwargs)`` as no Serve request's child, under the request's id (the
     replicas' logs name it): Serve cancels the calls a request made when it is cancelled (its
     client left), and an accepting call whose answer decides the abort, and the abort itself, must

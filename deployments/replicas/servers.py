@@ -274,6 +274,13 @@ class DecodeServer(_KVServer):
                           self.meter.token_ms())
         return DecodePlan(replica_id(), cached, load)
 
+    def release(self, request_id: str, pinned: str | None = None) -> None:
+        """The ingress is done with a request this replica planned for (``plan``): drop its prefix
+        hold now, not ``hold_s`` later, when the request never came here (it ended on P's first
+        token, timed out or lost its client before D was called); an abort, a no-op for a request
+        that already ended here. ``pinned``: this replica, for the router."""
+        self.engine.abort(request_id)
+
     async def decode(self, request: GenerationRequest, reply: PrefillReply, channel: str,
                      pinned: str | None = None) -> Accepted:
         """Take the request after P's ``reply`` (``Accepted`` at once: the ingress's KV lease ends
