@@ -60,7 +60,7 @@ class ServeEngineClient:
         self.interactive_in_flight = 0
 
     async def model_info(self) -> ModelInfo:
-        """What the engines serve; a 503 within ENGINE_WAIT_S while none of them answers.
+        """What the engines serve; a 503 within ENGINE_WAIT_S while one of them does not answer.
         Concurrent first callers share one round of calls (a burst of first requests would otherwise
         send one each to every deployment, and the last ones would wait behind the others)."""
         if self._info is None:
@@ -70,16 +70,16 @@ class ServeEngineClient:
         return self._info
 
     async def _ask_info(self) -> ModelInfo:
-        """The first deployment's answer that came (P's before D's): a P and a D that serve different
-        models, or the same one differently, are never paired (deployments/pd/compatibility.py), so
-        whichever role serves a request serves the model P states, unless P does not answer."""
-        calls = [asyncio.wait_for(h.info.remote(), ENGINE_WAIT_S) for h in self.backend.handles.values()]
-        answers = await asyncio.gather(*calls, return_exceptions=True)
-        for answer in answers:
-            if isinstance(answer, ModelInfo):
-                return answer
-        raise APIError(503, f"the engines are not ready ({describe(answers[0])}); GET /health says which",
-                       code="not_ready")
+        """Every engine deployment's answer (a 503 while one does not answer: an app whose D was never
+        placed is not ready), and P's taken: a P and a D that serve different models, or the same one
+        differently, are never paired (deployments/pd/compatibility.py), so the app serves P's model."""
+        try:
+            calls = [h.info.remote() for h in self.backend.handles.values()]
+            infos = await asyncio.wait_for(asyncio.gather(*calls), ENGINE_WAIT_S)
+        except Exception as error:
+            raise APIError(503, f"the engines are not ready ({describe(error)}); GET /health says which",
+                           code="not_ready") from None
+        return infos[0]
 
     async def tokenizer(self):
         if self._tokenizer is None:

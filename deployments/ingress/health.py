@@ -26,6 +26,7 @@ import asyncio
 from dataclasses import dataclass
 import logging
 import time
+from typing import Awaitable, Callable
 import uuid
 
 import ray
@@ -113,8 +114,10 @@ class Readiness:
     ``backend`` is the ingress's ColocatedBackend or PDBackend; its ``handles`` name the engine
     deployments in the order a request visits them."""
 
-    def __init__(self, backend, embedder) -> None:
-        self.backend, self.embedder = backend, embedder
+    def __init__(self, backend, embedder, engines_ready: Callable[[], Awaitable]) -> None:
+        """``engines_ready()``: what a request waits for before it reaches an engine (every engine
+        deployment's info, ServeEngineClient.model_info); it raises while they are not ready."""
+        self.backend, self.embedder, self.engines_ready = backend, embedder, engines_ready
         self.expected = [*backend.handles, *(["EmbeddingServer"] if embedder is not None else [])]
         self.last: CanaryResult | None = None
         self._lock = asyncio.Lock()
@@ -147,6 +150,11 @@ class Readiness:
             states = {name: {"status": "healthy"} for name in self.expected}
             states.update({name: {"status": "failing", "reason": reason} for name, reason in failing.items()})
             return False, {"status": "unavailable", "deployments": states, **_named(incompatible)}
+        try:  # not ready for requests (an engine deployment never placed, say): not ready for /health
+            await self.engines_ready()
+        except Exception:
+            return False, {"status": "unavailable", "deployments": await self.deployment_states(),
+                           **_named(incompatible)}
         async with self._lock:  # one canary at a time; a waiter reads the result it left
             if not (self.last and self.last.ok and time.monotonic() - self.last.at < FRESH_S
                     and self.last.alone == alone):

@@ -150,7 +150,7 @@ class Ingress:
         self.traces = RecentTraces()  # GET /traces/{id}
         self._openapi: dict | None = None
         self.responses = responses.ResponseStore()  # /v1/responses' stored responses: this replica's only
-        self.readiness = Readiness(self.backend, embedder)
+        self.readiness = Readiness(self.backend, embedder, self.engines.model_info)
         self._watcher = asyncio.get_running_loop().create_task(self.readiness.watch_start())
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
