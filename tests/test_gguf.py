@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.execution import gguf as gguf_source
+from engine.execution.gguf_index import read_tensor_index
 from engine.execution.loader import resolve_model_dir
 
 
@@ -112,3 +113,42 @@ def test_a_failed_conversion_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="conversion failed"):
         gguf_source.cached_model_dir(write_gguf(tmp_path / "m.gguf"), torch.float32)
     assert not [p for p in (tmp_path / "cache" / "gguf").iterdir() if p.is_dir()]
+
+
+@pytest.mark.parametrize("alignment", [32, 64])
+def test_the_tensor_index_reads_what_the_gguf_package_reads(tmp_path, alignment):
+    """engine/execution/gguf_index.py steps over the metadata (strings, arrays of strings and of
+    numbers, every scalar type) by its lengths: its tensors (names, types, bytes) and architecture
+    equal GGUFReader's, past a tokenizer-like table and a custom alignment."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "qwen2")
+    writer.add_custom_alignment(alignment)
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}é" for i in range(300)])
+    writer.add_array("tokenizer.ggml.token_type", list(range(300)))
+    writer.add_array("tokenizer.ggml.scores", [0.5] * 7)
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.add_float64("x.f64", 1.5)
+    writer.add_int64("x.i64", -3)
+    writer.add_uint16("x.u16", 7)
+    writer.add_string("tokenizer.chat_template", "{{ messages }}" * 50)
+    types = [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0,
+             gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K]
+    for i, quant_type in enumerate(types):
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[quant_type]
+        rows = 3 + i
+        data = rng.integers(0, 256, (rows, 512 // block_values * block_bytes), dtype=np.uint8)
+        writer.add_tensor(f"blk.{i}.w", data, raw_dtype=quant_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    index = read_tensor_index(tmp_path / "m.gguf")
+    assert index.architecture == reader.fields["general.architecture"].contents() == "qwen2"
+    assert list(index.tensors) == [tensor.name for tensor in reader.tensors]
+    for tensor in reader.tensors:
+        mine = index.tensors[tensor.name]
+        expected = np.asarray(tensor.data)
+        assert mine.tensor_type == tensor.tensor_type and mine.data.dtype == expected.dtype
+        assert mine.data.shape[0] == expected.reshape(mine.data.shape[0], -1).shape[0]
+        assert mine.data.tobytes() == expected.tobytes()  # bytes: random F32/F16 bits hold NaNs

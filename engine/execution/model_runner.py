@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # imported where used: it needs Triton, which a CPU install n
     from engine.execution.cuda_graphs import DecodeGraphs
 
 SCORE_ROWS = 256  # prompt rows scored per LM-head call: bounds the [rows, V] float32 logits
+CPU_WARM_UP_TOKENS = 64  # a CPU replica's start-up forward: enough to load and run every kernel once
 
 
 @dataclass
@@ -136,10 +137,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:
-        """One throw-away forward of a full step's tokens at start-up (as vLLM's profile run):
-        the first real request then finds the allocator and the kernels warm. It writes KV
-        into pool slots that no sequence owns yet; every slot is written by its owner before
-        it is read. On CUDA with triton_paged it then captures the decode steps' graphs."""
+        """One throw-away forward at start-up: the first real request then finds the kernels loaded
+        and warm. On CUDA it is a full step's tokens (as vLLM's profile run: the caching allocator
+        and Triton's compiled shapes at their largest); on a CPU a few blocks' worth, which loads
+        every kernel as well: a full step there is only a long prefill (~15 s for a 2,048-token step
+        of a 135M model in float32 on 2 cores) that every replica start would wait for. It writes KV
+        into pool slots that no sequence owns yet; every slot is written by its owner before it is
+        read. On CUDA with triton_paged it then captures the decode steps' graphs."""
+        if self.device.type == "cpu":
+            num_tokens = min(num_tokens, CPU_WARM_UP_TOKENS)
         num_tokens = min(num_tokens, self.kv_cache.shape[2], self.loaded.spec.max_position)
         positions = torch.arange(num_tokens, device=self.device)
         blocks = list(range(-(-num_tokens // self.blocks.block_size)))

@@ -19,11 +19,11 @@ from collections import Counter
 import logging
 from pathlib import Path
 
-from gguf import GGUFReader
 import numpy as np
 import torch
 from torch import nn
 
+from engine.execution.gguf_index import read_tensor_index
 from engine.execution.model import ModelSpec
 from engine.execution.quant.kernels import KERNEL_TYPES
 from engine.execution.quant.linear import QuantizedEmbedding, QuantizedLinear
@@ -39,9 +39,9 @@ BIASED = {"qkv_proj": "qkv_bias", "o_proj": "o_bias", "gate_up_proj": "mlp_bias"
 def quantized_modules(path: Path, spec: ModelSpec, dtype: torch.dtype) -> dict[str, nn.Module]:
     """Module path (as in DecoderModel's state dict, without ".weight") -> its quantized module,
     for every linear weight of GGUF ``path`` stored in a type with a kernel."""
-    reader = GGUFReader(path)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    permuted = reader.fields["general.architecture"].contents() == "llama"
+    index = read_tensor_index(path)
+    tensors = index.tensors
+    permuted = index.architecture == "llama"
     modules: dict[str, nn.Module] = {}
     dequantized: Counter[str] = Counter()
 
