@@ -4,6 +4,7 @@ from pathlib import Path
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -106,8 +107,10 @@ def module_garbage_collected(request):
     so only the cyclic collector frees its KV pool and weights, and it may not run for many
     modules. The served modules' replicas need that memory (Ray's monitor kills workers past
     95 % of the machine's). The freed memory is handed back to the system (``memory.trim``), and the
-    driver's RSS after that is noted for the run's summary."""
+    driver's RSS after that is noted for the run's summary, with the module's wall time (its first
+    fixture's setup to its last teardown: what the module costs the worker that runs it)."""
+    started = time.monotonic()
     yield
     gc.collect()
     memory.trim()
-    memory.module_ended(request.module.__name__)
+    memory.module_ended(request.module.__name__, time.monotonic() - started)

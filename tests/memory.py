@@ -1,5 +1,6 @@
 """The pytest driver's memory, in the run's summary: its RSS after each module ends (its engines and
-models collected, tests/conftest.py) and its peak. Issue 53 bounds it (``RSS_BOUND_BYTES`` at every
+models collected, tests/conftest.py) and its peak; with each module's wall time, the figures that
+say where a worker's time goes (pytest's slowest steps name steps, not modules). Issue 53 bounds it (``RSS_BOUND_BYTES`` at every
 module boundary): a driver that keeps a module's engines takes the memory the served modules'
 replicas need. Under pytest-xdist each worker is a driver; its figures come to the controller with
 the worker's end (``config.workeroutput``)."""
@@ -15,7 +16,7 @@ import psutil
 RSS_BOUND_BYTES = 2 * 1024**3
 GB = 1024**3
 
-_module_ends: list[tuple[str, int]] = []  # (module, driver RSS after it ended), this process's
+_module_ends: list[tuple[str, int, float]] = []  # (module, driver RSS after it ended, its seconds), this process's
 _workers: dict[str, dict] = {}  # xdist worker id -> its figures, on the controller
 
 
@@ -30,8 +31,8 @@ def trim() -> None:
         _LIBC.malloc_trim(0)
 
 
-def module_ended(module: str) -> None:
-    _module_ends.append((module, psutil.Process().memory_info().rss))
+def module_ended(module: str, seconds: float) -> None:
+    _module_ends.append((module, psutil.Process().memory_info().rss, seconds))
 
 
 def peak_rss() -> int:
@@ -62,10 +63,12 @@ def summary(terminalreporter, config) -> None:
     drivers = dict(sorted(_workers.items())) or {"driver": _figures()}
     if not any(figures["modules"] for figures in drivers.values()):
         return  # no module ran (--collect-only)
-    terminalreporter.section("driver memory (RSS after each module, GB)")
+    terminalreporter.section("driver memory and time (RSS after each module in GB, the module's seconds)")
     for name, figures in drivers.items():
-        over = [module for module, rss in figures["modules"] if rss > RSS_BOUND_BYTES]
+        modules = figures["modules"]
+        over = [module for module, rss, _ in modules if rss > RSS_BOUND_BYTES]
         terminalreporter.write_line(f"{name}: peak {figures['peak'] / GB:.2f} GB; {len(over)} module ends over "
-                                    f"{RSS_BOUND_BYTES / GB:.0f} GB{': ' + ', '.join(over) if over else ''}")
-        terminalreporter.write_line("  " + ", ".join(f"{module.removeprefix('tests.')} {rss / GB:.2f}"
-                                                     for module, rss in figures["modules"]))
+                                    f"{RSS_BOUND_BYTES / GB:.0f} GB{': ' + ', '.join(over) if over else ''}; "
+                                    f"{sum(seconds for *_, seconds in modules):.0f} s in {len(modules)} modules")
+        terminalreporter.write_line("  " + ", ".join(f"{module.removeprefix('tests.')} {rss / GB:.2f} {seconds:.0f}s"
+                                                     for module, rss, seconds in modules))

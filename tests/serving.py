@@ -205,7 +205,9 @@ def _start_ray_and_serve(num_cpus: int, address: str | None) -> str:
     import ray
 
     if address is None:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        # "local": a Ray of this process's own even where /tmp/ray/ray_current_cluster names another
+        # (a multi-node or GCS test's Cluster on the other xdist worker writes it: tests/workers.py)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=address, log_to_driver=False)
     try:

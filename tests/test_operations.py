@@ -58,13 +58,20 @@ def base_url():
             del os.environ[name]
 
 
+def session_logs() -> str:
+    """This module's Ray's log folder (not /tmp/ray/session_latest: a Ray started after this one,
+    on the other xdist worker, takes that link)."""
+    import ray
+
+    return os.path.join(ray._private.worker.global_worker.node.get_session_dir_path(), "logs")
+
+
 def serve_logs(pattern: str = "*.log") -> str:
-    return "".join(open(f, errors="replace").read()
-                   for f in glob.glob(f"/tmp/ray/session_latest/logs/serve/{pattern}"))
+    return "".join(open(f, errors="replace").read() for f in glob.glob(f"{session_logs()}/serve/{pattern}"))
 
 
 def worker_output() -> str:
-    return "".join(open(f, errors="replace").read() for f in glob.glob("/tmp/ray/session_latest/logs/worker-*.out"))
+    return "".join(open(f, errors="replace").read() for f in glob.glob(f"{session_logs()}/worker-*.out"))
 
 
 def histogram_counts(url: str) -> dict[str, float]:

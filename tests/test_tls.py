@@ -26,6 +26,8 @@ from deployments.config import AppArgs
 from tests.serving import free_port, stop_shared_session
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "configs" / "tls.yaml"
+pytestmark = pytest.mark.own_ray  # a Ray of its own, its proxy on TLS
+
 HOST = "127.0.0.1"
 
 
@@ -80,7 +82,7 @@ def https(tmp_path_factory):
     options = {**example_config()["http_options"], "host": HOST, "port": port, "ssl_keyfile": str(key),
                "ssl_certfile": str(cert)}
     stop_shared_session()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # tests/serving.py says why
     try:
         serve.start(http_options=options)
         serve.run(colocated_app({"torch_threads": 1, "max_iter_times": 16, "embeddings": False}), name="tls",
