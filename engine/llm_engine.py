@@ -59,6 +59,12 @@ from sampling.params import MAX_SEED, choice_seed
 
 logger = logging.getLogger(__name__)
 
+# A decode step of fewer rows decides its ends row by row (``append_token``): the batch's stop
+# arrays cost ~30 numpy calls whatever the rows (~50 µs, a tenth of a one-row step on the CPU
+# proxy), a row's own checks ~1 µs more per row than the arrays'; the two meet near 16 rows
+# (docs/architecture.md, the persistent batch).
+ARRAY_STOPS_MIN_ROWS = 16
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -240,6 +246,9 @@ class LLMEngine:
         """The outputs of a step from the columns: the sampled tokens appended and EOS, stop ids and
         length caps decided for the whole batch with array operations; text and stop strings per row."""
         sampled, slots = result.sampled, batch.slots
+        seqs = [seq for seq, _ in batch.entries]
+        if len(seqs) < ARRAY_STOPS_MIN_ROWS:  # the row's own checks (append_token) cost less than the arrays'
+            return self.output_processor.append_decoded(seqs, sampled, [UNDECIDED] * len(seqs))
         tokens = np.asarray(sampled.token_ids, dtype=np.int64)
         self.rows.append_tokens(slots, tokens)
         eos, stop, length = self.rows.stops(slots, tokens, self.max_model_len, self.config.max_iter_times)
@@ -247,7 +256,7 @@ class LLMEngine:
         # A row with stop ids the columns do not hold decides its end row by row (UNDECIDED).
         verdicts = [UNDECIDED if own else (None, EOS, STOP, LENGTH)[code]
                     for code, own in zip(codes.tolist(), self.rows.stops_per_row[slots].tolist())]
-        return self.output_processor.append_decoded([seq for seq, _ in batch.entries], sampled, verdicts)
+        return self.output_processor.append_decoded(seqs, sampled, verdicts)
 
     def _sampled_choices(self, seq: Sequence) -> list[PendingChoice]:
         """The choices whose next token this sequence's last logits give: its own, and at the

@@ -135,8 +135,20 @@ class OutputProcessor:
         columns already): ``append_token`` for each, without its per-row grammar and stop checks
         where ``verdicts`` [R] holds the columns' verdict (UNDECIDED rows take append_token)."""
         outputs = []
+        detokenizers, bases = self.detokenizers, self.output_bases
         for seq, token, logprob, top, verdict in zip(seqs, sampled.token_ids, sampled.logprobs,
                                                      sampled.top_logprobs, verdicts):
+            if verdict is None and logprob is None:
+                key = seq.request_id, seq.index
+                base = bases.get(key)
+                if base is not None:  # the step's common row: past its first output, no logprobs, not ending
+                    seq.token_ids.append(token)
+                    text, stopped = detokenizers[key].add(token)
+                    if stopped:
+                        outputs += self.finish(seq, STOP, [token], text)
+                    else:
+                        outputs.append(self._next_output(seq, base, token, text))
+                    continue
             chosen = TokenLogprob(token, logprob, top) if logprob is not None else None
             if verdict is UNDECIDED:
                 outputs += self.append_token(seq, Sampled(token, chosen, None))
@@ -218,6 +230,24 @@ class OutputProcessor:
                              first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
                              scheduled_time=seq.scheduled_time, error=error,
                              output_token_ids=tokens, text=text, index=choice.index)
+
+    @staticmethod
+    def _next_output(seq: Sequence, base: dict, token: int, text: str) -> RequestOutput:
+        """``_output`` of a running sequence's token after its first output, without logprobs or
+        logits (``base``: its ``output_bases`` entry): the same fields, set without its checks."""
+        values = base.copy()
+        values["new_token_ids"] = [token]
+        values["new_text"] = text
+        values["num_output_tokens"] = num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        values["finished"] = False
+        values["finish_reason"] = None
+        values["logprobs"] = []
+        if seq.params.logprobs is not None:
+            values["cumulative_logprob"] = seq.cumulative_logprob
+        if num_output == 1:  # the first token's output (never made here in practice: it sets the base)
+            values["prompt_logprobs"] = seq.prompt_logprobs
+            values["context_logits"] = context_logits(seq)
+        return new_output(values)
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob],
                 finished: bool, logits: np.ndarray | None = None) -> RequestOutput:

@@ -17,6 +17,7 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.execution.persistent_batch import NO_ROW, PersistentBatch
+from engine import llm_engine
 from engine.llm_engine import LLMEngine
 from engine.lora_adapter import LoraAdapter
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence
@@ -203,10 +204,13 @@ def streams(engine: LLMEngine, requests: list[GenerationRequest]) -> list[tuple]
     return outputs
 
 
-def test_decode_steps_from_the_columns_give_the_per_row_outputs():
+@pytest.mark.parametrize("array_stops_min_rows", [1, llm_engine.ARRAY_STOPS_MIN_ROWS])
+def test_decode_steps_from_the_columns_give_the_per_row_outputs(monkeypatch, array_stops_min_rows):
     """The same requests through the column paths (the all-decode schedule, append_decoded) and
     through the per-row ones: every output equal, token, text piece, logprobs and end alike,
-    with EOS, stop ids, stop strings (cut, kept) and length caps among the ends."""
+    with EOS, stop ids, stop strings (cut, kept) and length caps among the ends; the batch's stop
+    arrays at every batch size (1), or from the engine's threshold on (smaller batches row by row)."""
+    monkeypatch.setattr(llm_engine, "ARRAY_STOPS_MIN_ROWS", array_stops_min_rows)
     config = EngineConfig(model="tiny-llama", block_size=4, num_blocks=256, max_num_seqs=16)
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     end_id = LLMEngine(config).generate([GenerationRequest("q0", list(range(30, 42)), greedy)])["q0"].output_token_ids[5]
