@@ -21,9 +21,10 @@ model runner to make.
 ``can_allocate``/``allocate`` are the paired check and commit that the scheduler calls before a
 sequence gets more tokens of KV; ``computed_prefix`` is the look-up it makes before admitting one.
 
-With a second tier (engine/kv_tier.py), an evicted block's KV is spilled there first, and a look-up
-that ends in the pool goes on in the tier: a block found there is copied back into a new pool block,
-keyed and cached like any other. Both copies are only decided here (``take_tier_moves``): the model
+With a second tier (engine/kv_tier.py), an evicted block that a look-up found at least once is
+spilled there first (content computed once and never asked for again is not worth the copy: a
+workload without reuse pays nothing), and a look-up that ends in the pool goes on in the tier: a
+block found there is copied back into a new pool block, keyed and cached like any other. Both copies are only decided here (``take_tier_moves``): the model
 runner makes them, in order, before the next forward writes into any block.
 """
 
@@ -81,6 +82,7 @@ class BlockManager:
         self.keys_dropped = 0
         self.tier = tier if enable_prefix_caching else None
         self._tier_moves: list[TierMove] = []  # decided, not yet made by the runner
+        self._found = [False] * num_blocks  # a look-up found the block's content since it was taken: spilled
 
     # ---- counts ------------------------------------------------------------------------
 
@@ -122,6 +124,7 @@ class BlockManager:
             block = self._by_key.get(key)
             if block is not None and tier is not None:
                 self._hold(block)  # not evicted for a later block's copy-back
+                self._found[block] = True
             elif block is None and tier is not None:
                 block = self._copy_back(key)
             if block is None:
@@ -302,14 +305,15 @@ class BlockManager:
             block = self._free.popleft()
         else:
             block = self._cached.popitem(last=False)[0]
-            if self.tier is not None:
+            if self.tier is not None and self._found[block]:
                 self._spill(block)
             self._unkey(block)
         self.ref_count[block] = 1
+        self._found[block] = False
         return block
 
     def _spill(self, block: int) -> None:
-        """Decide the copy of an evicted block's KV into the tier (none if the tier has it)."""
+        """Decide the copy of an evicted, reused block's KV into the tier (none if the tier has it)."""
         key = self.block_key[block]
         slot = self.tier.reserve(key)
         if slot is not None:
@@ -322,6 +326,7 @@ class BlockManager:
         if slot is None:
             return None
         block = self._take()
+        self._found[block] = True
         self.block_key[block] = key
         self._by_key[key] = block
         self._tier_moves.append(TierMove(False, block, slot, key))

@@ -57,7 +57,8 @@ class KVTier:
         self.capacity = capacity_bytes // self.block_bytes
         if self.capacity < 1:
             raise ValueError(f"kv_tier_gb: holds no block (a block is {self.block_bytes} bytes)")
-        shape = (self.capacity, *block_shape)  # [entries, L, 2, B*Hkv*D]
+        layers, kv, elements = block_shape
+        shape = (layers, kv, self.capacity, elements)  # [L, 2, entries, B*Hkv*D]: the pool's layout by block
         if pool_device.type == "cpu":
             self.storage = _mapped_file(shape, dtype, directory)
         else:  # host memory behind a device pool; pinned, so that copies are DMA

@@ -95,6 +95,7 @@ def test_an_evicted_block_spills_and_a_lookup_copies_it_back():
     blocks = BlockManager(5, BLOCK, tier=tier(8))
     first = sequence(list(range(10, 23)))  # 13 tokens: 3 full blocks, and a partial one left free
     fill(blocks, first)
+    assert len(blocks.computed_prefix(sequence(list(range(10, 23))))) == 3  # found: reused content
     fill(blocks, sequence(list(range(50, 63))))  # takes the 2 free blocks, then evicts 2 of first's
     spills = blocks.take_tier_moves()
     assert [m.spill for m in spills] == [True, True]
@@ -119,16 +120,24 @@ def test_a_lookup_does_not_evict_its_own_pool_hits_for_copy_backs():
     fill(blocks, sequence(list(range(70, 78))))  # 2 full blocks: the free one, and the third evicted
     blocks.tier.written([m.key for m in blocks.take_tier_moves()])
     # Now the pool is all cached, the first two of the prompt's blocks the oldest: copying the third
-    # back must evict another block than them.
+    # back must evict another block than them (one never found: not spilled).
     hits = blocks.computed_prefix(sequence(list(range(10, 23))))
     assert hits[:2] == head[:2] and len(set(hits)) == 3
-    assert [m.spill for m in blocks.take_tier_moves()] == [True, False]
+    assert [m.spill for m in blocks.take_tier_moves()] == [False]
+
+
+def test_a_block_never_found_is_not_spilled():
+    blocks = BlockManager(4, BLOCK, tier=tier(8))
+    fill(blocks, sequence(list(range(10, 23))))
+    fill(blocks, sequence(list(range(50, 63))))  # evicts the first's 3 blocks, never looked up
+    assert blocks.take_tier_moves() == [] and len(blocks.tier) == 0
 
 
 def test_a_tier_entry_is_not_used_when_the_key_differs():
     blocks = BlockManager(4, BLOCK, tier=tier(8))
     tokens = list(range(10, 23))
     fill(blocks, sequence(tokens))
+    blocks.computed_prefix(sequence(tokens))
     fill(blocks, sequence(list(range(50, 63))))  # every block of the first evicted and spilled
     blocks.tier.written([m.key for m in blocks.take_tier_moves()])
     adapter = SimpleNamespace(ref=SimpleNamespace(digest=b"adapter"))
@@ -142,8 +151,10 @@ def test_a_tier_entry_is_not_used_when_the_key_differs():
 def test_reset_forgets_the_tier():
     blocks = BlockManager(4, BLOCK, tier=tier(8))
     fill(blocks, sequence(list(range(10, 23))))
+    blocks.computed_prefix(sequence(list(range(10, 23))))
     fill(blocks, sequence(list(range(50, 63))))
     blocks.tier.written([m.key for m in blocks.take_tier_moves()])
+    assert len(blocks.tier) == 3
     blocks.reset_prefix_cache()
     assert len(blocks.tier) == 0 and blocks.computed_prefix(sequence(list(range(10, 23)))) == []
 
@@ -169,7 +180,8 @@ def run(e: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY)
                                                           ignore_eos=True, seed=7)], ids=["greedy", "seeded"])
 def test_a_tier_hit_is_copied_back_with_the_same_tokens(params):
     with_tier, without = engine(0.001), engine()
-    order = PROMPTS + PROMPTS[:2]  # the first two come back after the pool evicted them
+    # The first two are found once in the pool, then evicted by the others, then asked for again.
+    order = PROMPTS[:2] + PROMPTS + PROMPTS[:2]
     tokens = run(with_tier, order, params)
     assert tokens == run(without, order, params)
     cold = run(engine(), PROMPTS[:2], params)
@@ -185,7 +197,8 @@ def test_a_tier_hit_is_copied_back_with_the_same_tokens(params):
 
 def test_a_tier_entry_is_not_used_for_another_prompt_table():
     e = engine(0.001)
-    run(e, PROMPTS)  # the first prompt's blocks are in the tier now
+    run(e, PROMPTS[:1] + PROMPTS)  # the first prompt's blocks are in the tier now
+    assert e.blocks.tier.lookup(e.blocks.block_hashes(sequence(PROMPTS[0], e._kv_namespace), 1)[0]) is not None
     vocab, hidden = e.vocab_size, e.loaded.spec.hidden_size
     table = PromptTable.of(torch.randn(2, hidden, generator=torch.Generator().manual_seed(0)).numpy() * 0.05)
     request = GenerationRequest("t", PROMPTS[0][:-2] + [vocab, vocab + 1], GREEDY, prompt_table=table)

@@ -373,12 +373,12 @@ class ModelRunner:
                 blocks = torch.tensor([m.block for m in run], device=self.device)
                 slots = torch.tensor([m.slot for m in run])
                 if run[0].spill:
-                    tier.storage[slots] = by_block[:, :, blocks].permute(2, 0, 1, 3).to("cpu")  # [n, L, 2, X]
+                    tier.storage.index_copy_(2, slots, by_block.index_select(2, blocks).to("cpu"))  # [L, 2, n, X]
                     if self.device.type == "cuda":  # copied before a look-up may find it
                         torch.cuda.current_stream(self.device).synchronize()
                     tier.written([m.key for m in run])
                 else:
-                    by_block[:, :, blocks] = tier.storage[slots].permute(1, 2, 0, 3).to(self.device)
+                    by_block.index_copy_(2, blocks, tier.storage.index_select(2, slots).to(self.device))
                     tier.copied_back(len(run))
                 run = []
             if move is not None:
