@@ -373,9 +373,8 @@ class ModelRunner:
                 blocks = torch.tensor([m.block for m in run], device=self.device)
                 slots = torch.tensor([m.slot for m in run])
                 if run[0].spill:
+                    # A blocking copy from the device: the bytes are in before a look-up may find them.
                     tier.storage.index_copy_(2, slots, by_block.index_select(2, blocks).to("cpu"))  # [L, 2, n, X]
-                    if self.device.type == "cuda":  # copied before a look-up may find it
-                        torch.cuda.current_stream(self.device).synchronize()
                     tier.written([m.key for m in run])
                 else:
                     by_block.index_copy_(2, blocks, tier.storage.index_select(2, slots).to(self.device))
