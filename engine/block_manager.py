@@ -24,8 +24,9 @@ sequence gets more tokens of KV; ``computed_prefix`` is the look-up it makes bef
 With a second tier (engine/kv_tier.py), an evicted block that a look-up found at least once is
 spilled there first (content computed once and never asked for again is not worth the copy: a
 workload without reuse pays nothing), and a look-up that ends in the pool goes on in the tier: a
-block found there is copied back into a new pool block, keyed and cached like any other. Both copies are only decided here (``take_tier_moves``): the model
-runner makes them, in order, before the next forward writes into any block.
+block found there is copied back into a new pool block, keyed and cached like any other. Both
+copies are only decided here (``take_tier_moves``): the model runner makes them, in order, before
+the next forward writes into any block.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class BlockManager:
         self.keys_dropped = 0
         self.tier = tier if enable_prefix_caching else None
         self._tier_moves: list[TierMove] = []  # decided, not yet made by the runner
-        self._found = [False] * num_blocks  # a look-up found the block's content since it was taken: spilled
+        # Per block: a look-up found its content since it was taken; only such a block spills when evicted.
+        self._found = [False] * num_blocks
 
     # ---- counts ------------------------------------------------------------------------
 
