@@ -20,6 +20,13 @@ model runner to make.
 
 ``can_allocate``/``allocate`` are the paired check and commit that the scheduler calls before a
 sequence gets more tokens of KV; ``computed_prefix`` is the look-up it makes before admitting one.
+
+With a second tier (engine/kv_tier.py), an evicted block that a look-up found at least once is
+spilled there first (content computed once and never asked for again is not worth the copy: a
+workload without reuse pays nothing), and a look-up that ends in the pool goes on in the tier: a
+block found there is copied back into a new pool block, keyed and cached like any other. Both
+copies are only decided here (``take_tier_moves``): the model runner makes them, in order, before
+the next forward writes into any block.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import hashlib
 
 import numpy as np
 
+from engine.kv_tier import KVTier, TierMove
 from engine.request import Sequence
 
 
@@ -58,7 +66,8 @@ def chain_hash(parent: bytes, token_ids: list[int], namespace: bytes) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tier: KVTier | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -72,6 +81,10 @@ class BlockManager:
         # Keys given up so far (a block evicted or reset): a block left unkeyed because another held
         # its key may take it only after one (``cache_full_blocks``).
         self.keys_dropped = 0
+        self.tier = tier if enable_prefix_caching else None
+        self._tier_moves: list[TierMove] = []  # decided, not yet made by the runner
+        # Per block: a look-up found its content since it was taken; only such a block spills when evicted.
+        self._found = [False] * num_blocks
 
     # ---- counts ------------------------------------------------------------------------
 
@@ -108,12 +121,19 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         limit = seq.num_tokens - 1 if max_tokens is None else min(max_tokens, seq.num_tokens - 1)
-        hits = []
+        hits, tier = [], self.tier
         for key in self.block_hashes(seq, limit // self.block_size):
             block = self._by_key.get(key)
+            if block is not None and tier is not None:
+                self._hold(block)  # not evicted for a later block's copy-back
+                self._found[block] = True
+            elif block is None and tier is not None:
+                block = self._copy_back(key)
             if block is None:
                 break
             hits.append(block)
+        if tier is not None:
+            self.release(reversed(hits))
         return hits
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -241,8 +261,17 @@ class BlockManager:
                 else:
                     self._free.append(block)
 
+    def take_tier_moves(self) -> list[TierMove]:
+        """The copies between the pool and the tier decided since the last call, in order: the
+        runner makes them before its next forward."""
+        moves, self._tier_moves = self._tier_moves, []
+        return moves
+
     def reset_prefix_cache(self) -> int:
-        """Forget every cached, unheld block's content (e.g. after new weights); blocks dropped."""
+        """Forget every cached, unheld block's content (e.g. after new weights), and the tier's;
+        blocks dropped from the pool."""
+        if self.tier is not None:
+            self.tier.clear()
         dropped = len(self._cached)
         while self._cached:
             self._free.append(self._unkey(self._cached.popitem(last=False)[0]))
@@ -274,8 +303,35 @@ class BlockManager:
         self.ref_count[block] += 1
 
     def _take(self) -> int:
-        block = self._free.popleft() if self._free else self._unkey(self._cached.popitem(last=False)[0])
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block = self._cached.popitem(last=False)[0]
+            if self.tier is not None and self._found[block]:
+                self._spill(block)
+            self._unkey(block)
         self.ref_count[block] = 1
+        self._found[block] = False
+        return block
+
+    def _spill(self, block: int) -> None:
+        """Decide the copy of an evicted, reused block's KV into the tier (none if the tier has it)."""
+        key = self.block_key[block]
+        slot = self.tier.reserve(key)
+        if slot is not None:
+            self._tier_moves.append(TierMove(True, block, slot, key))
+
+    def _copy_back(self, key: bytes) -> int | None:
+        """A new pool block, held and keyed ``key``, that the tier's entry is copied into; None if
+        the tier lacks it or the pool has no block to give."""
+        slot = self.tier.lookup(key) if self.num_free else None
+        if slot is None:
+            return None
+        block = self._take()
+        self._found[block] = True
+        self.block_key[block] = key
+        self._by_key[key] = block
+        self._tier_moves.append(TierMove(False, block, slot, key))
         return block
 
     def _unkey(self, block: int) -> int:

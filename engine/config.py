@@ -48,6 +48,12 @@ class EngineConfig:
                                    "(checked by sampling/sampler.py)")
     torch_threads: int | None = setting(None, "intra-op threads per engine replica; unset: torch's default", ge=1)
     enable_prefix_caching: bool = setting(True, "reuse the KV of full prompt blocks other requests computed")
+    kv_tier_gb: float = setting(0.0, "the second KV tier's size (GB; engine/kv_tier.py): reused blocks the prefix "
+                                "cache evicts are kept there and copied back on a hit instead of computed again; a "
+                                "memory-mapped file behind a CPU pool, pinned host memory behind a CUDA pool. 0: "
+                                "off (docs/serving.md, \"The second KV tier\": where it pays)", ge=0)
+    kv_tier_dir: str | None = setting(None, "the directory of the tier's memory-mapped file behind a CPU pool; "
+                                      "unset: the system's temporary directory")
     attention_backend: str = setting(
         "auto", "auto, torch_sdpa (the reference), cpu_paged (the C++ kernel that reads the KV pool in place, CPU) "
         "or triton_paged (the Triton kernels, CUDA); engine/execution/attention/", choices=ATTENTION_BACKENDS)

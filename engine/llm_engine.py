@@ -43,7 +43,7 @@ from engine.decoding.beam_steps import BeamSearch
 from engine.decoding.draft_steps import DraftVerification
 from engine.decoding.speculative import Drafter
 from engine.execution.loader import load_model
-from engine.execution.model_runner import ModelRunner, StepResult, kv_pool_blocks
+from engine.execution.model_runner import ModelRunner, StepResult, kv_pool_blocks, kv_tier
 from engine.execution.persistent_batch import PersistentBatch
 from engine.kv_transfer import KVPayload
 from engine.lora_adapter import LoraAdapter, ModelShape
@@ -78,7 +78,7 @@ class LLMEngine:
         self.pad_token_id = pad if pad is not None and pad < self.vocab_size else self.loaded.eos_token_ids[0]
         self.dtype = str(self.loaded.dtype).removeprefix("torch.")
         self.blocks = BlockManager(kv_pool_blocks(config, self.loaded), config.block_size,
-                                   config.enable_prefix_caching)
+                                   config.enable_prefix_caching, kv_tier(config, self.loaded))
         # A request can never hold more KV than the whole pool: past that it would preempt itself forever.
         self.max_model_len = min(self.loaded.max_model_len, self.blocks.num_blocks * config.block_size)
         # The running rows' columns (engine/execution/persistent_batch.py): the scheduler joins and

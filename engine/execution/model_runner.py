@@ -18,6 +18,7 @@ import torch
 from engine.execution.attention import (AttentionSeq, batch_invariant_by_default, batch_invariant_supported,
                                         select_backend)
 from engine.config import EngineConfig
+from engine.kv_tier import KVTier, TierMove
 from engine.kv_transfer import KVMeta, numpy_to_tensor, tensor_to_numpy
 from engine.execution.loader import LoadedModel
 from engine.execution.model import RMSNorm
@@ -90,6 +91,15 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     if config.num_blocks is not None:
         return config.num_blocks
     return max(1, int(config.kv_cache_memory_gb * (1 << 30)) // (config.block_size * kv_bytes_per_token(loaded)))
+
+
+def kv_tier(config: EngineConfig, loaded: LoadedModel) -> KVTier | None:
+    """The second tier behind the pool (engine/kv_tier.py), when ``kv_tier_gb`` asks for one."""
+    if not config.kv_tier_gb or not config.enable_prefix_caching:
+        return None
+    spec = loaded.spec
+    block = (spec.num_layers, 2, config.block_size * spec.num_kv_heads * spec.head_dim)  # a pool block's KV
+    return KVTier(int(config.kv_tier_gb * (1 << 30)), block, loaded.dtype, loaded.device, config.kv_tier_dir)
 
 
 class ModelRunner:
@@ -168,6 +178,7 @@ class ModelRunner:
         when a prompt's choices are sampled together; with k drafts, one per position of the
         last token and the drafts), and score the prompt tokens of entries whose sequence asked
         for it. ``rows`` None: a decode step whose rows sample from the persistent batch's columns."""
+        self.move_tier_blocks(self.blocks.take_tier_moves())
         for seq, first in batch.kv_imports:
             self.import_kv(seq, first)
         self.copy_blocks(batch.block_copies)
@@ -352,6 +363,31 @@ class ModelRunner:
             by_block = self.kv_cache.view(*self.kv_cache.shape[:2], self.blocks.num_blocks, -1)  # [L, 2, NB, B*H*D]
             src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
             by_block[:, :, dst] = by_block[:, :, src]
+
+    def move_tier_blocks(self, moves: list[TierMove]) -> None:
+        """Make the block manager's copies between the pool and its tier, in the order decided: a
+        run of spills (pool -> tier) or copy-backs (tier -> pool) at a time; a spilled entry is
+        ready for look-ups once its bytes are in."""
+        if not moves:
+            return
+        tier = self.blocks.tier
+        by_block = self.kv_cache.view(*self.kv_cache.shape[:2], self.blocks.num_blocks, -1)  # [L, 2, NB, B*H*D]
+        run: list[TierMove] = []
+        for move in moves + [None]:
+            # A run ends where the kind changes or a pool block comes again (copied back twice).
+            if run and (move is None or move.spill != run[0].spill or any(m.block == move.block for m in run)):
+                blocks = torch.tensor([m.block for m in run], device=self.device)
+                slots = torch.tensor([m.slot for m in run])
+                if run[0].spill:
+                    # A blocking copy from the device: the bytes are in before a look-up may find them.
+                    tier.storage.index_copy_(2, slots, by_block.index_select(2, blocks).to("cpu"))  # [L, 2, n, X]
+                    tier.written([m.key for m in run])
+                else:
+                    by_block.index_copy_(2, blocks, tier.storage.index_select(2, slots).to(self.device))
+                    tier.copied_back(len(run))
+                run = []
+            if move is not None:
+                run.append(move)
 
     def export_kv(self, seq: StepSequence, start: int = 0) -> np.ndarray:
         """The KV of tokens [start, seq.num_tokens) as one array [L, 2, T, Hkv, D]: in PREFILL mode, the

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from engine.kv_tier import KVTier, TierMove
 from engine.kv_transfer import KVPayload
 from engine.lora_adapter import LoraAdapter
 from sampling import SamplingParams
@@ -60,5 +61,8 @@ class KVBlocks(Protocol):
 
     num_blocks: int
     block_size: int
+    tier: KVTier | None  # the second tier behind the pool (engine/kv_tier.py)
 
     def slots(self, seq: StepSequence, start: int, end: int) -> list[int]: ...
+
+    def take_tier_moves(self) -> list[TierMove]: ...  # copies to make before the next forward
