@@ -9,8 +9,10 @@ For each server: start it, a small warm-up round, then per workload a warm-up ro
 ``--rounds`` measured rounds with fresh prompts (no prefix-cache hit), streamed
 ``/v1/completions``, greedy, EOS ignored, output tokens read from each stream's final usage
 (benchmarks/served_vs_vllm.py's client). Workloads (the issue's): one stream 128 -> 128 and
-32 x 128 -> 64. Then, to place the served single stream, the same request in process (LLMEngine
-alone, the app's engine settings and threads): what the HTTP and serving path add is the rest.
+32 x 128 -> 64. Then, to place the served single stream: one more such request to pdserve with the
+CPU each of the app's processes used meanwhile (engine replica, ingress, Serve proxy, Ray daemons:
+benchmarks/stream_throughput.py's roles), per output token; and the same request in process
+(LLMEngine alone, the app's engine settings and threads): what the HTTP and serving path add is the rest.
 
 Prints output tok/s per round and the ratio of pdserve's mean to llama.cpp's.
 
@@ -19,6 +21,7 @@ Prints output tok/s per round and the ratio of pdserve's mean to llama.cpp's.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 import subprocess
 import sys
@@ -28,7 +31,8 @@ import time
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli import bench_parser, write_json  # noqa: E402
-from benchmarks.served_vs_vllm import START_LIMIT_S, Workload, _healthy, _mean, measure  # noqa: E402
+from benchmarks.served_vs_vllm import START_LIMIT_S, Workload, _healthy, _mean, measure, run_round  # noqa: E402
+from benchmarks.stream_throughput import cpu_by_role, cpu_seconds  # noqa: E402
 from tests.serving import free_port, serve_session, wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +76,18 @@ def run_pdserve(model: Path, threads: int, rounds: int) -> dict:
         serve.run(colocated_app(engine_args(model, threads), {"ray_actor_options": {"num_cpus": threads}}),
                   name="colocated", route_prefix="/")
         assert wait_until(lambda: _healthy(url), START_LIMIT_S, 2), "pdserve did not become healthy"
-        return measure(url, WORKLOADS, rounds)
+        return measure(url, WORKLOADS, rounds) | {"single stream CPU": single_stream_cpu(url)}
+
+
+def single_stream_cpu(url: str) -> dict:
+    """Where the served single stream's time goes: one more 128 -> 128 request, with the CPU each of
+    the app's processes used meanwhile (by Ray process title), in ms per output token."""
+    workload = WORKLOADS[0]
+    before = cpu_seconds()
+    result = asyncio.run(run_round(url, workload.prompts(9000), workload.output_len))
+    used = cpu_by_role(before, cpu_seconds())
+    return {"wall_ms_per_token": 1000 / result["tok_s"],
+            "cpu_ms_per_token": {role: 1000 * seconds / workload.output_len for role, seconds in sorted(used.items())}}
 
 
 def in_process_single_stream(model: Path, threads: int, rounds: int) -> list[float]:
@@ -128,6 +143,10 @@ def main() -> None:
     served = (f"  served / in process {_mean(results['pdserve'][WORKLOADS[0].name], 'tok_s') / (sum(in_process) / len(in_process)):.2f}"
               if "pdserve" in results else "")
     print(f"{WORKLOADS[0].name:>18}  in process " + " ".join(f"{rate:7.1f}" for rate in in_process) + served)
+    if "pdserve" in results:
+        profile = results["pdserve"]["single stream CPU"]
+        print(f"pdserve's single stream, one more request: {profile['wall_ms_per_token']:.1f} ms per token; CPU ms per "
+              "token: " + ", ".join(f"{role} {ms:.1f}" for role, ms in profile["cpu_ms_per_token"].items()))
     write_json(args.json, {"model": str(args.model), "threads": args.threads, "results": results,
                            "in_process_single_stream_tok_s": in_process, "ratios": ratios})
 
