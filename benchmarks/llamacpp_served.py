@@ -43,10 +43,10 @@ WORKLOADS = [Workload(1, 128, 128), Workload(32, 128, 64)]
 
 
 def run_llamacpp(server: Path, model: Path, threads: int, rounds: int) -> dict:
-    """llama-server on ``threads`` threads with SLOTS slots of 256 tokens each (the longest request)."""
+    """llama-server on ``threads`` threads with SLOTS slots of 512 tokens each (the longest request: 256)."""
     port = free_port()
     command = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-               "-tb", str(threads), "-np", str(SLOTS), "-c", str(SLOTS * 256), "--no-webui"]
+               "-tb", str(threads), "-np", str(SLOTS), "-c", str(SLOTS * 512), "--no-webui"]
     log = Path(tempfile.gettempdir()) / f"llama-server-{port}.log"
     with open(log, "w") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
