@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 UV     := uv==0.13.9
 
-.PHONY: install lock serve browser redis test bench bench-vllm clean mutants mutants-report
+.PHONY: install lock serve browser redis test bench bench-vllm bench-llamacpp clean mutants mutants-report
 
 # The install is locked: requirements.lock pins every package but torch (`make lock` remakes it
 # from pyproject.toml's ranges). uv installs those exact versions, in parallel, resolving nothing.
@@ -98,6 +98,24 @@ bench: install
 # ... and `vllm bench serve` itself against the served apps (not part of make test: it needs that venv).
 bench-vllm: install .venv-vllm/.installed
 	$(PY) -m pytest -q tests/vllm_bench_serve_tool.py
+
+# llama.cpp's own server, built from the llama-cpp-python 0.3.36 source (its vendored llama.cpp) for this
+# CPU into build/llamacpp, and benchmarks/llamacpp_served.py: the shipped GGUF served by pdserve and by
+# llama-server over HTTP, back to back (issue 57). Never a dependency of pdserve; the build takes minutes.
+LLAMACPP_PY  := llama_cpp_python-0.3.36
+LLAMACPP     := build/llamacpp
+LLAMACPP_BIN := $(LLAMACPP)/build/bin/llama-server
+$(LLAMACPP_BIN): | $(STAMP)
+	mkdir -p $(LLAMACPP)
+	$(PY) -m pip download --quiet --no-deps --no-binary=:all: --dest $(LLAMACPP) llama-cpp-python==0.3.36
+	tar xzf $(LLAMACPP)/$(LLAMACPP_PY).tar.gz -C $(LLAMACPP)
+	cmake -S $(LLAMACPP)/$(LLAMACPP_PY)/vendor/llama.cpp -B $(LLAMACPP)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_SERVER=ON
+	cmake --build $(LLAMACPP)/build --target llama-server -j $$(nproc)
+
+bench-llamacpp: install $(LLAMACPP_BIN)
+	$(PY) benchmarks/llamacpp_served.py --llama-server $(LLAMACPP_BIN)
 
 clean:
 	rm -rf $(VENV) .venv-vllm

@@ -29,9 +29,9 @@ class EngineConfig:
                          choices=DTYPES)
     device: str = setting("cpu", "cpu, cuda[:N] or npu[:N]")
     quantization: str | None = setting(
-        None, "unset: weights as the checkpoint stores them (a GGUF's quantized types kept, on the CPU, where a "
-        "kernel exists: engine/execution/quant/), the rest in dtype; dequantize: every weight in dtype; int8: a "
-        "Hugging Face checkpoint's linear weights and embeddings in int8 (quant/int8.py), CPU only",
+        None, "unset: weights as the checkpoint stores them (a GGUF's quantized types kept, on the CPU and CUDA, "
+        "where a kernel exists: engine/execution/quant/), the rest in dtype; dequantize: every weight in dtype; "
+        "int8: a Hugging Face checkpoint's linear weights and embeddings in int8 (quant/int8.py), CPU and CUDA",
         choices=QUANTIZATIONS)
     block_size: int = setting(16, "tokens per KV block", ge=1)
     num_blocks: int | None = setting(None, "KV pool size in blocks; unset: from kv_cache_memory_gb", ge=1)

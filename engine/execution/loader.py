@@ -3,15 +3,15 @@
 Reads config.json through AutoConfig, the tokenizer through AutoTokenizer and the weights
 from *.safetensors; nothing is downloaded. "tiny-llama" names the embedded default model,
 made on first use (engine/execution/tiny_model.py); a .gguf file's config, tokenizer, norms and
-biases come from its dequantized copy (engine/execution/gguf.py), and on the CPU its linear
-weights stay in their stored types where a kernel exists (engine/execution/quant/).
+biases come from its dequantized copy (engine/execution/gguf.py), and on the CPU and CUDA its
+linear weights stay in their stored types where a kernel exists (engine/execution/quant/).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 import hashlib
-import importlib
+import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -146,18 +146,31 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 def _quantized_modules(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> dict:
     """A GGUF's linear weights kept in their stored types (engine/execution/quant/gguf_tensors.py),
-    where the kernels run: on the CPU, below float64, with ``quantization`` not "dequantize"; else none."""
+    where kernels multiply them (quantized_kernels), below float64, with ``quantization`` not
+    "dequantize"; else none. The log says which kernels."""
     gguf_file = find_gguf(config.model)
     if gguf_file is None or config.quantization == "dequantize":
         return {}
-    if device.type != "cpu" or not quant_kernels.available() or dtype == torch.float64:
-        # float64 is for exact parity: the kernels sum in float32
+    kernels = quantized_kernels(device)
+    if kernels is None or dtype == torch.float64:  # float64 is for exact parity: the kernels sum in float32
         logger.warning("GGUF %s: no quantized kernels on %s in %s; serving its weights dequantized",
                        gguf_file.name, device, dtype)
         return {}
     from engine.execution.quant.gguf_tensors import quantized_modules
 
+    logger.info("GGUF %s: weights kept in their stored types where a kernel exists, multiplied by the %s kernels "
+                "on %s", gguf_file.name, kernels, device)
     return quantized_modules(gguf_file, spec, dtype)
+
+
+def quantized_kernels(device: torch.device) -> str | None:
+    """Which kernels multiply quantized blocks on ``device``: "C++" on the CPU (quant/kernels.py, where
+    they build), "Triton" on CUDA (quant/triton_linear.py, where triton is installed); None elsewhere."""
+    if device.type == "cpu":
+        return "C++" if quant_kernels.available() else None
+    if device.type == "cuda":
+        return "Triton" if importlib.util.find_spec("triton") is not None else None
+    return None
 
 
 def weight_storage(model: DecoderModel, dtype: torch.dtype, kind: str = "gguf") -> str:
@@ -176,8 +189,9 @@ def _check_int8(config: EngineConfig, device: torch.device) -> None:
     if find_gguf(config.model) is not None:
         raise ValueError("quantization: int8 is for Hugging Face checkpoints; a GGUF keeps its own types "
                          "(leave quantization unset) or is dequantized (quantization: dequantize)")
-    if device.type != "cpu" or not quant_kernels.available():
-        raise ValueError(f"quantization: int8 runs on the CPU's quantized kernels, not on {device}")
+    if quantized_kernels(device) is None:
+        raise ValueError(f"quantization: int8 runs on the quantized kernels (C++ on the CPU, Triton on CUDA), "
+                         f"not on {device}")
 
 
 def resident_bytes(model: DecoderModel) -> int:

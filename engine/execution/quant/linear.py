@@ -15,6 +15,10 @@ One bfloat16 row (a single stream's decode step) outside batch-invariant mode, o
 Q8_0 weights, takes the integer kernel instead (csrc/quant_gemv.cpp: the row quantized to int8 per
 32 values, as llama.cpp does): a row's bits then differ alone and in a batch, which only the
 invariant mode promises. float32 rows never take it: float32 is the exactness dtype.
+
+On a CUDA device (blocks moved there with the model) every call takes the Triton kernels instead
+(triton_linear.py), for any number of rows and any dtype; ``invariant`` is a CPU mode (it needs the
+cpu_paged attention) and changes nothing there.
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine.execution.quant import kernels
+
+
+def uses_triton(raw: torch.Tensor) -> bool:
+    """Whether blocks ``raw`` are multiplied by the Triton kernels (on a CUDA device) rather than the
+    C++ ones. (The tests run the Triton path on the CPU, under Triton's interpreter, by patching this.)"""
+    return raw.device.type == "cuda"
+
 
 DEQUANTIZE_ROWS = 16  # float32 rows: the kernel was faster up to 16, torch's GEMM from 32 (the EPYC, Q4_1 3072 x 576)
 
@@ -62,12 +73,21 @@ class QuantizedLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """W [out, in] float32."""
-        ext = kernels.build()
-        return torch.cat([ext.dequantize_rows(raw, int(quant_type), self.in_features)
+        return torch.cat([dequantize_rows(raw, quant_type, self.in_features)
                           for quant_type, raw in zip(self.types, self.raws())])
 
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [M, in] -> [M, out] in x's dtype, summed in float32."""
+        if uses_triton(self.raw0):
+            from engine.execution.quant import triton_linear  # triton: on CUDA (a CUDA build of torch brings it)
+
+            out = x.new_empty(x.shape[0], self.out_features, dtype=torch.float32)  # [M, out]: segments fill columns
+            start = 0
+            for quant_type, raw, size in zip(self.types, self.raws(), self.sizes):
+                triton_linear.linear(x, raw, quant_type, out.narrow(1, start, size))
+                start += size
+            out = out.to(x.dtype)
+            return out + self.bias if self.bias is not None else out
         ext = kernels.build()
         if x.dtype == torch.bfloat16 and x.shape[0] == 1 and self.integer_gemv and not invariant:
             out = x.new_empty(1, self.out_features)  # [1, out] bfloat16, written by the kernel
@@ -101,4 +121,13 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [N] -> [N, hidden] in ``dtype``."""
         rows = self.table.raw0.index_select(0, input_ids)  # [N, row bytes]
-        return kernels.build().dequantize_rows(rows, int(self.quant_type), self.table.in_features).to(self.dtype)
+        return dequantize_rows(rows, self.quant_type, self.table.in_features).to(self.dtype)
+
+
+def dequantize_rows(raw: torch.Tensor, quant_type: GGMLQuantizationType, in_features: int) -> torch.Tensor:
+    """raw [R, row bytes] -> [R, in_features] float32, by the kernels of the blocks' device."""
+    if uses_triton(raw):
+        from engine.execution.quant import triton_linear
+
+        return triton_linear.dequantize_rows(raw, quant_type, in_features)
+    return kernels.build().dequantize_rows(raw, int(quant_type), in_features)
