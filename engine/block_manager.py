@@ -116,6 +116,31 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def chain_blocks(self, keys: list[bytes]) -> list[int]:
+        """The blocks holding the leading ``keys`` that this pool has keyed (a prefix store's
+        look-up of its own pool, deployments/replicas/prefix_store.py)."""
+        blocks = []
+        for key in keys:
+            block = self._by_key.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def adopt(self, keys: list[bytes]) -> list[int]:
+        """Blocks for KV brought from elsewhere (the prefix store) under ``keys``, one each, taken
+        from the pool (evicting cached ones) and keyed, held once: the caller writes their KV, then
+        ``release``s them. Stops at a key this pool holds already or when no block is left."""
+        blocks = []
+        for key in keys:
+            if key in self._by_key or not self.num_free:
+                break
+            block = self._take()
+            self.block_key[block] = key
+            self._by_key[key] = block
+            blocks.append(block)
+        return blocks
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted sequence's look-up (not the tries of one still waiting)."""
         self.prefix_queries += num_tokens
