@@ -108,13 +108,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         limit = seq.num_tokens - 1 if max_tokens is None else min(max_tokens, seq.num_tokens - 1)
-        hits = []
-        for key in self.block_hashes(seq, limit // self.block_size):
-            block = self._by_key.get(key)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self.chain_blocks(self.block_hashes(seq, limit // self.block_size))
 
     def chain_blocks(self, keys: list[bytes]) -> list[int]:
         """The blocks holding the leading ``keys`` that this pool has keyed (a prefix store's
