@@ -157,3 +157,30 @@ def test_keys_differ_with_the_model_the_adapter_and_the_prompt_table():
             assert store.longest_chain(chain) == 0, name
     # A prompt that shares the first two blocks finds exactly those.
     assert store.longest_chain(prompt_keys(b"model:float32", tokens[:8] + [99, 98, 97, 96])) == 2
+
+
+# ---- routing: "in the store" below "in my pool", above nothing (deployments/pd/routing.py) ----
+
+
+def test_the_router_counts_the_store_below_the_pool_and_above_nothing():
+    from deployments.pd.routing import AFFINITY_BLOCK, PREFILL_IMBALANCE_TOKENS, load, rank, set_prefix_store
+    from tests.test_pd_prefix import fake_replica
+
+    prompt = list(range(3, 3 + 8 * AFFINITY_BLOCK))
+    longer = GenerationRequest("t2", prompt + [9] * AFFINITY_BLOCK, SamplingParams(max_new_tokens=1))
+    for deployment, store_on in (("test-store-on", True), ("test-store-off", False)):
+        if store_on:
+            set_prefix_store(deployment)
+        first = fake_replica(f"{deployment}-1", queued_prompt_tokens=0)
+        rank(deployment, GenerationRequest("t", prompt, SamplingParams(max_new_tokens=1)), [first], prefill=True)
+        # In my pool before in the store: the replica sent the prefix comes first at equal load.
+        sent, fresh = (fake_replica(f"{deployment}-{i}", queued_prompt_tokens=0) for i in (1, 2))
+        assert rank(deployment, longer, [fresh, sent], prefill=True)[0] is sent
+        # Loads too far apart: the fresh replica, which computes only what the store lacks (store on).
+        busy = fake_replica(f"{deployment}-1", queued_prompt_tokens=PREFILL_IMBALANCE_TOKENS + 10_000)
+        other = fake_replica(f"{deployment}-3", queued_prompt_tokens=0)
+        longest = GenerationRequest("t3", longer.prompt_token_ids + [8] * AFFINITY_BLOCK,
+                                    SamplingParams(max_new_tokens=1))
+        assert rank(deployment, longest, [busy, other], prefill=True)[0] is other
+        expected = AFFINITY_BLOCK if store_on else len(longest.prompt_token_ids)
+        assert load(other, prefill=True, now=time.monotonic()) == expected
