@@ -184,3 +184,18 @@ def test_the_router_counts_the_store_below_the_pool_and_above_nothing():
         assert rank(deployment, longest, [busy, other], prefill=True)[0] is other
         expected = AFFINITY_BLOCK if store_on else len(longest.prompt_token_ids)
         assert load(other, prefill=True, now=time.monotonic()) == expected
+
+
+def test_prefill_affinity_off_routes_by_load_alone():
+    from deployments.pd.routing import AFFINITY_BLOCK, rank, set_affinity_off
+    from tests.test_pd_prefix import fake_replica
+
+    prompt = GenerationRequest("t", list(range(3, 3 + 4 * AFFINITY_BLOCK)), SamplingParams(max_new_tokens=1))
+    for deployment, affinity in (("test-affinity-on", True), ("test-affinity-off", False)):
+        if not affinity:
+            set_affinity_off(deployment)
+        sent = fake_replica(f"{deployment}-1", queued_prompt_tokens=0)
+        rank(deployment, prompt, [sent], prefill=True)
+        sent_later = fake_replica(f"{deployment}-1", queued_prompt_tokens=100)  # within the imbalance bound
+        idle = fake_replica(f"{deployment}-2", queued_prompt_tokens=0)
+        assert rank(deployment, prompt, [sent_later, idle], prefill=True)[0] is (sent_later if affinity else idle)

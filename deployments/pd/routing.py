@@ -100,6 +100,7 @@ FIRST_CHOICES_KEPT = 4096  # bounds _first_choices should a call end before it w
 _routed: dict[str, set[str]] = {}  # deployment name -> its running replicas, as Serve last told this process's router
 _paired: dict[str, set[str] | None] = {}  # deployment name -> the only replicas calls may go to (None: any)
 _stored: set[str] = set()  # deployments whose replicas publish to and pull from the app's prefix store
+_by_load_alone: set[str] = set()  # deployments routed without prefix affinity (AppArgs pd_prefill_affinity off)
 
 
 def routed_replicas(deployment: str) -> set[str] | None:
@@ -118,6 +119,11 @@ def set_paired(deployment: str, replicas: set[str] | None) -> None:
 def set_prefix_store(deployment: str) -> None:
     """``deployment``'s replicas share the app's prefix store: routing counts what it holds (module docstring)."""
     _stored.add(deployment)
+
+
+def set_affinity_off(deployment: str) -> None:
+    """``deployment``'s calls go by load alone, ties at random: no replica is preferred for a prompt it was sent."""
+    _by_load_alone.add(deployment)
 
 
 def first_choice(request_id: str) -> str | None:
@@ -161,7 +167,7 @@ def rank(deployment: str, request: GenerationRequest, replicas: list[RunningRepl
     index = _indexes.setdefault(deployment, PrefixIndex())
     keys = block_keys(request)
     ids = [r.replica_id.to_full_id_str() for r in replicas]
-    matched = index.matched_tokens(keys, ids)
+    matched = dict.fromkeys(ids, 0) if deployment in _by_load_alone else index.matched_tokens(keys, ids)
     stored = index.matched_tokens(keys, [STORE])[STORE] if deployment in _stored else 0
     worth = {rid: matched[rid] + STORE_WEIGHT * max(0, stored - matched[rid]) for rid in ids}
     now = time.monotonic()
