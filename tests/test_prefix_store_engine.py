@@ -71,3 +71,90 @@ def test_an_import_for_a_request_that_never_comes_is_dropped_at_its_time():
     counts = second.block_counts()
     assert (counts.held, counts.cached) == (0, 10)
     assert len(second.blocks.chain_blocks(keys)) == 10
+
+
+# ---- a P replica's side (deployments/replicas/prefix_store.py's PrefixStoreClient), without Ray ----
+
+
+class _Call:
+    """A store method as a DeploymentHandle's: ``.remote(...)`` gives an awaitable of its answer."""
+
+    def __init__(self, method) -> None:
+        self.method = method
+
+    def remote(self, *args):
+        async def answer():
+            return self.method(*args)
+
+        return answer()
+
+
+class LocalStore:
+    """The store replica's answers (PrefixStoreServer's) with each block's bytes as an awaitable, not an ObjectRef."""
+
+    def __init__(self) -> None:
+        from engine.prefix_store import PrefixStore
+
+        self.store, self.metas = PrefixStore(1 << 30), {}
+        for name in ("longest_chain", "publish", "pull", "end_pull", "counters"):
+            setattr(self, name, _Call(getattr(self, f"_{name}")))
+
+    def _longest_chain(self, keys):
+        return self.store.longest_chain(keys)
+
+    def _publish(self, keys, meta, data):
+        size = meta.num_tokens
+        reserved = self.store.begin_publish(keys, data[:, :, :size].nbytes)
+        handles = {key: np.array(data[:, :, i * size:(i + 1) * size]) for i, key in enumerate(keys) if key in reserved}
+        self.metas.update(dict.fromkeys(handles, meta))
+        return self.store.complete_publish(handles)
+
+    def _pull(self, keys):
+        async def ready(block):
+            return block
+
+        pull = self.store.pull(keys)
+        return pull.pull_id, [[ready(block)] for block in pull.handles], [self.metas[key] for key in keys]
+
+    def _end_pull(self, pull_id):
+        self.store.end_pull(pull_id)
+
+    def _counters(self):
+        return self.store.counters()
+
+
+def test_a_prefill_replica_pulls_what_another_published_and_refuses_blocks_of_another_layout():
+    import asyncio
+    from dataclasses import replace
+
+    from deployments.replicas.prefix_store import PrefixStoreClient
+    from engine.async_engine import AsyncEngine
+
+    config = EngineConfig(model="tiny-llama", dtype="float32", block_size=4, max_num_batched_tokens=64)
+    store = LocalStore()
+    engines = [AsyncEngine(config) for _ in range(3)]
+
+    async def prefill(engine, rid: str) -> tuple[list[int], int]:
+        """(first token, prompt tokens computed) of the prompt through ``engine``, pulling and publishing."""
+        client = PrefixStoreClient(store, engine)
+        prompt = request(rid, [50, 51, 52])
+        before = engine.engine.scheduler.num_prompt_tokens_computed
+        keys, stored = await client.pull(prompt, None)
+        outputs = await engine.prefill(prompt)
+        client.publish(keys, stored, outputs[0].prefill.kv)
+        await asyncio.gather(*client._tasks)
+        return outputs[0].output_token_ids, engine.engine.scheduler.num_prompt_tokens_computed - before
+
+    try:
+        first, computed = asyncio.run(prefill(engines[0], "a"))
+        assert computed == 43 and store.store.counters()["published"] == 10
+        second, computed = asyncio.run(prefill(engines[1], "b"))
+        assert (second, computed) == (first, 3)  # its ten full blocks came from the store
+        # A block of another layout (here: another model's id) is never imported: the prompt is computed.
+        store.metas = {key: replace(meta, model_id="another") for key, meta in store.metas.items()}
+        third, computed = asyncio.run(prefill(engines[2], "c"))
+        assert (third, computed) == (first, 43)
+        assert store.store.counters()["pulls_in_flight"] == 0
+    finally:
+        for engine in engines:
+            engine.shutdown()
