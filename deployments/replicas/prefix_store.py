@@ -37,17 +37,20 @@ logger = logging.getLogger(__name__)
 PULL_HOLD_S = 60.0  # how long pulled blocks are held for a request that does not come (its add failed)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+# Every P's look-ups, pulls and publications at once: none waits in Serve's queue. Each method is
+# async with no await inside: they run one at a time on the replica's event loop (PrefixStore is not
+# thread-safe, and Serve may run plain methods on threads).
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 class PrefixStoreServer:
     def __init__(self, capacity_bytes: int) -> None:
         self.store = PrefixStore(capacity_bytes)
         self.metas: dict[bytes, KVMeta] = {}  # a served block's KV layout (its publisher's), by key
 
-    def longest_chain(self, keys: list[bytes]) -> int:
+    async def longest_chain(self, keys: list[bytes]) -> int:
         """How many leading blocks of ``keys`` are served now."""
         return self.store.longest_chain(keys)
 
-    def publish(self, keys: list[bytes], meta: KVMeta, data: np.ndarray) -> int:
+    async def publish(self, keys: list[bytes], meta: KVMeta, data: np.ndarray) -> int:
         """Keep ``keys``' blocks: ``data`` [L, 2, len(keys) * B, Hkv, D], ``meta`` its layout (its
         num_tokens: B, the block size). Returns the blocks published (those not held already)."""
         size = meta.num_tokens
@@ -66,7 +69,7 @@ class PrefixStoreServer:
         self._forget_dropped()
         return published
 
-    def pull(self, keys: list[bytes]) -> tuple[int, list[list], list[KVMeta]] | None:
+    async def pull(self, keys: list[bytes]) -> tuple[int, list[list], list[KVMeta]] | None:
         """Start a pull of ``keys``' blocks: (its id, each block's ObjectRef in a list, so that Ray
         passes it on unresolved, each block's layout); None if any is not served now."""
         try:
@@ -75,11 +78,11 @@ class PrefixStoreServer:
             return None
         return pull.pull_id, pull.handles, [self.metas[key] for key in keys]
 
-    def end_pull(self, pull_id: int) -> None:
+    async def end_pull(self, pull_id: int) -> None:
         self.store.end_pull(pull_id)
         self._forget_dropped()
 
-    def counters(self) -> dict[str, int]:
+    async def counters(self) -> dict[str, int]:
         """The store's counters (PrefixStore.counters), for /metrics."""
         return self.store.counters()
 
@@ -96,8 +99,6 @@ class PrefixStoreClient:
         self.store = store
         self.engine = engine
         self.block_size = engine.engine.config.block_size
-        self.pulled_blocks = 0  # blocks this replica imported from the store
-        self.refused = 0  # pulls refused (evicted meanwhile) or whose blocks failed the checks
         self._tasks: set[asyncio.Task] = set()  # publications and pull ends in flight (kept from the collector)
 
     async def pull(self, request: GenerationRequest, lora: LoraAdapter | None) -> tuple[list[bytes], int]:
@@ -108,10 +109,7 @@ class PrefixStoreClient:
         keys = self.engine.engine.prefix_keys(request, lora)
         try:
             return keys, await self._pull(request, keys)
-        except (asyncio.CancelledError, KeyboardInterrupt):
-            raise
-        except Exception as error:
-            self.refused += 1
+        except Exception as error:  # not a cancellation (a BaseException): the request is going
             logger.warning("prefix store: pull failed, the prompt is computed: %s", error)
             return keys, 0
 
@@ -127,7 +125,6 @@ class PrefixStoreClient:
         wanted = reusable[local:stored]
         answer = await self.store.pull.remote(wanted)
         if answer is None:  # evicted since the look-up
-            self.refused += 1
             return 0
         pull_id, refs, metas = answer
         try:
@@ -137,7 +134,6 @@ class PrefixStoreClient:
         finally:
             self._detach(self.store.end_pull.remote(pull_id))
         self.engine.import_prefix(request.request_id, reusable[:stored], local, data, PULL_HOLD_S)
-        self.pulled_blocks += len(wanted)
         return stored
 
     def publish(self, keys: list[bytes], stored: int, kv: KVPayload | None) -> None:
@@ -151,9 +147,6 @@ class PrefixStoreClient:
             return
         data = kv.data[:, :, first * size - start:end * size - start]
         self._detach(self.store.publish.remote(keys[first:end], replace(kv.meta, num_tokens=size, start=0), data))
-
-    def counters(self) -> dict[str, int]:
-        return {"imported_blocks": self.pulled_blocks, "refused": self.refused}
 
     def _check(self, metas: list[KVMeta], blocks: list[np.ndarray]) -> None:
         """Each block's layout is this engine's and its array has a block's shape (fail closed)."""
