@@ -3,7 +3,7 @@
 Writes a multi-turn trace with tools/make_trace.py (``--sessions`` conversations of ``--turns``
 turns, each turn the previous prompt, its answer and a new user message of ``--user-tokens``, over a
 ``--system-tokens`` system prompt shared by all; ids per ``--block-size`` tokens), then replays it
-(``pdserve-loadtest --trace``, at ``--speedup``) against three PD apps of fp32 tiny-llama, one
+(``pdserve-loadtest --trace``, at ``--speedup``) against three PD apps of fp32 ``--model``, one
 after the other, each with the same engine settings and D neither holding nor computing prompts
 (every prompt token is P's to compute or find):
 
@@ -18,7 +18,7 @@ counters; then the store's hit rate over the shared cache's and the isolated TTF
 store's (issue 54's targets: >= 0.9 and >= 3).
 
     python benchmarks/prefix_store.py [--sessions 8] [--turns 10] [--system-tokens 256]
-        [--user-tokens 100:200] [--block-size 64] [--speedup 1] [--json PATH]
+        [--user-tokens 100:200] [--block-size 64] [--speedup 1] [--model tiny-llama] [--json PATH]
 
 A long system prompt shared by every session is in every P's pool after a few requests, so it
 hides what the store adds: the defaults keep it short, and each conversation's own history is most
@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--user-tokens", default="100:200")
     parser.add_argument("--block-size", type=int, default=64, help="trace tokens per hash id")
     parser.add_argument("--speedup", type=float, default=1.0)
+    parser.add_argument("--model", default="tiny-llama", help="the apps' model (a GGUF file, a directory)")
     args = parser.parse_args()
     trace = Path(tempfile.mkdtemp()) / "multi_turn.jsonl"
     make_trace.main(["--mode", "multi-turn", "--sessions", str(args.sessions), "--turns", str(args.turns),
@@ -96,8 +97,8 @@ def main() -> None:
     runs = {}
     with serve_session() as url:
         for name, (app_args, p_replicas) in APPS.items():
-            serve.run(pd_app({**ARGS, **app_args}, prefill_options={"num_replicas": p_replicas}), name=name,
-                      route_prefix=f"/{name}")
+            serve.run(pd_app({**ARGS, **app_args, "model": args.model}, prefill_options={"num_replicas": p_replicas}),
+                      name=name, route_prefix=f"/{name}")
             assert wait_until(lambda: httpx.get(f"{url}/{name}/health", timeout=30).status_code == 200, 300, 1)
             runs[name] = replay(f"{url}/{name}", trace, args.block_size, args.speedup)
             print(json.dumps({"app": name, **runs[name]}), flush=True)
