@@ -17,6 +17,7 @@ from deployments.ingress.ingress import Ingress
 from deployments.replicas.embeddings import EmbeddingServer
 from deployments.pd.kv_connector import make_kv_connector
 from deployments.replicas.lora_store import LoraStore
+from deployments.replicas.prefix_store import PrefixStoreServer
 from deployments.replicas.servers import DecodeServer, LLMServer, PrefillServer
 from engine.execution.loader import model_fingerprint, resolve_model_dir
 
@@ -52,8 +53,9 @@ def pd_app(args: AppArgs | dict | None = None, prefill_options: dict | None = No
     store = _lora_store(args)
     prefill = PrefillServer.options(**{**options, **(prefill_options or {})})
     kv = make_kv_connector(args.kv_transport, args.kv_lease_s)
+    prefix_store = PrefixStoreServer.bind(args.prefix_store_mib * 2**20) if args.prefix_store_mib else None
     prefill = prefill.bind(args.engine_config(prefill_model), store, args.max_loras, args.heartbeat_s,
-                           args.step_timeout_s, kv)
+                           args.step_timeout_s, kv, prefix_store)
     decode = DecodeServer.options(**{**options, **(decode_options or {})})
     decode_config = replace(args.engine_config(decode_model), first_token_from_prefill=True, **(decode_engine or {}))
     decode = decode.bind(decode_config, store, args.max_loras, args.heartbeat_s, args.step_timeout_s, args.kv_lease_s,

@@ -73,6 +73,11 @@ class _AppArgs(BaseModel):
     pd_prefill_busy_tokens: int = Field(
         16384, gt=0, description="PD: past this many prompt tokens in flight to each P replica (from one ingress), "
         "D computes prompts itself while its KV usage is below 0.8")
+    prefix_store_mib: int = Field(0, ge=0, description="PD: MiB of host memory for the app's prefix store: full KV "
+                                  "blocks of finished prefills that every prefill replica pulls instead of computing "
+                                  "them (deployments/replicas/prefix_store.py, docs/serving.md); 0: off")
+    pd_prefill_affinity: bool = Field(True, description="PD: route prompts to the prefill replica that was sent their "
+                                      "start (deployments/pd/routing.py); off: by load alone, ties at random")
     pd_decode_prefix_reuse: bool = Field(True, description="PD: ask D how much of a prompt its prefix cache holds "
                                          "and send only the KV of the rest")
     slo_ttft_ms: float | None = Field(None, gt=0, description="the app's time-to-first-token target (ms): PD's "

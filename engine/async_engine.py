@@ -96,13 +96,25 @@ class ReceiveKV:
 
 
 @dataclass
+class ImportPrefix:
+    """Engine-thread command: write blocks from the prefix store for a request added after it
+    (LLMEngine.import_prefix)."""
+
+    request_id: str
+    keys: list[bytes]
+    first: int
+    data: object  # [L, 2, (len(keys) - first) * block_size, Hkv, D] array
+    until: float
+
+
+@dataclass
 class Abort:
     """Engine-thread command: end every choice of ``request_id``."""
 
     request_id: str
 
 
-EngineCommand = AddRequest | HoldPrefix | ReceiveKV | Abort
+EngineCommand = AddRequest | HoldPrefix | ReceiveKV | ImportPrefix | Abort
 
 
 @dataclass
@@ -180,6 +192,13 @@ class AsyncEngine:
 
     def receive_kv(self, request_id: str, data) -> None:
         self._commands.put(ReceiveKV(request_id, data))
+        self._wake.set()
+
+    def import_prefix(self, request_id: str, keys: list[bytes], first: int, data, hold_s: float) -> None:
+        """Write the KV of ``keys[first:]``, pulled from the app's prefix store, into the pool for
+        ``request_id`` (LLMEngine.import_prefix), on the engine thread before the commands sent after
+        it (the request's own): held for it, or for ``hold_s`` if it does not come."""
+        self._commands.put(ImportPrefix(request_id, keys, first, data, time.time() + hold_s))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -369,6 +388,12 @@ class AsyncEngine:
                 command.loop.call_soon_threadsafe(_settle, command.answer, result)
             elif isinstance(command, ReceiveKV):
                 self.engine.receive_kv(command.request_id, command.data)
+            elif isinstance(command, ImportPrefix):
+                try:
+                    self.engine.import_prefix(command.request_id, command.keys, command.first, command.data,
+                                              command.until)
+                except Exception:  # the request computes its prompt instead
+                    logger.exception("importing %s's prefix from the prefix store failed", command.request_id)
             else:
                 for output in self.engine.abort(command.request_id):
                     self._finished[output.finish_reason] += 1

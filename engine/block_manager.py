@@ -121,8 +121,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         limit = seq.num_tokens - 1 if max_tokens is None else min(max_tokens, seq.num_tokens - 1)
-        hits, tier = [], self.tier
-        for key in self.block_hashes(seq, limit // self.block_size):
+        return self.chain_blocks(self.block_hashes(seq, limit // self.block_size))
+
+    def chain_blocks(self, keys: list[bytes]) -> list[int]:
+        """The blocks holding the leading ``keys`` that this pool has keyed, or its second tier
+        holds (copied back into new pool blocks: engine/kv_tier.py); also a prefix store's look-up
+        of its own pool (deployments/replicas/prefix_store.py)."""
+        blocks, tier = [], self.tier
+        for key in keys:
             block = self._by_key.get(key)
             if block is not None and tier is not None:
                 self._hold(block)  # not evicted for a later block's copy-back
@@ -131,10 +137,24 @@ class BlockManager:
                 block = self._copy_back(key)
             if block is None:
                 break
-            hits.append(block)
+            blocks.append(block)
         if tier is not None:
-            self.release(reversed(hits))
-        return hits
+            self.release(reversed(blocks))
+        return blocks
+
+    def adopt(self, keys: list[bytes]) -> list[int]:
+        """Blocks for KV brought from elsewhere (the prefix store) under ``keys``, one each, taken
+        from the pool (evicting cached ones) and keyed, held once: the caller writes their KV, then
+        ``release``s them. Stops at a key this pool holds already or when no block is left."""
+        blocks = []
+        for key in keys:
+            if key in self._by_key or not self.num_free:
+                break
+            block = self._take()
+            self.block_key[block] = key
+            self._by_key[key] = block
+            blocks.append(block)
+        return blocks
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted sequence's look-up (not the tries of one still waiting)."""

@@ -167,6 +167,32 @@ class LLMEngine:
         self.holds.hold(request.request_id, hits, until)
         return len(hits) * self.config.block_size
 
+    def prefix_keys(self, request: GenerationRequest, lora: LoraAdapter | None = None) -> list[bytes]:
+        """The content keys of ``request``'s full context blocks (BlockManager.block_hashes: the
+        model, dtype, prompt table and adapter in their namespace): what the app's prefix store
+        (engine/prefix_store.py) is asked and published under. Reads no engine state: any thread."""
+        probe = Sequence(request, 0, -1, Mode.PREFILL, 0.0, self._kv_namespace, 0, lora)
+        return self.blocks.block_hashes(probe, probe.num_tokens // self.config.block_size)
+
+    def import_prefix(self, request_id: str, keys: list[bytes], first: int, data, until: float) -> int:
+        """Blocks brought from the prefix store for a request about to be added: ``data``
+        [L, 2, (len(keys) - first) * block_size, Hkv, D] is the KV of ``keys[first:]``, the pool's
+        own blocks are expected to hold ``keys[:first]``. The blocks this pool lacks are written and
+        keyed, and the whole chain is held for ``request_id`` until it ends (or ``until`` if it does
+        not come: engine/prefix_holds.py), so its admission finds them as prefix hits. Returns the
+        blocks written: 0 when the pool's own chain no longer reaches ``first`` (evicted meanwhile:
+        the request computes them) or already holds them all."""
+        local = self.blocks.chain_blocks(keys)
+        self.blocks.hold(local)  # not evicted by the blocks taken below
+        written = []
+        if first <= len(local) < len(keys):
+            written = self.blocks.adopt(keys[len(local):])
+            offset = (len(local) - first) * self.config.block_size
+            self.runner.write_blocks(written, data[:, :, offset:offset + len(written) * self.config.block_size])
+        self.holds.hold(request_id, local + written, until)
+        self.blocks.release(local + written)  # the hold keeps its own reference
+        return len(written)
+
     def take_kv_wanted(self) -> list[str]:
         """The requests admitted since the last call whose KV bytes must now be fetched (DECODE
         requests added with ``prefill.kv.data`` None: their blocks are held for it)."""

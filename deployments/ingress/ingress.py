@@ -136,6 +136,10 @@ class Ingress:
                                        make_kv_connector(args.kv_transport, args.kv_lease_s),
                                        args.pd_degrade_to_prefill, args.pd_degrade_to_decode))
         self.embedder = embedder
+        if args.prefix_store_mib and llm is None:
+            routing.set_prefix_store("PrefillServer")
+        if not args.pd_prefill_affinity:
+            routing.set_affinity_off("PrefillServer")
         roles = list(self.backend.handles)  # P then D, or the colocated engine
         admission = Admission(roles[0] if len(roles) > 1 else None, roles[-1], args.admission_tokens_per_replica,
                               args.max_ongoing_requests, routing.replica_count)

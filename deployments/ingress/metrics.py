@@ -109,6 +109,12 @@ METRICS = (
            "deadline (kv_lease_s from their start): a stuck transfer path"),
     Metric("kv_failed", Gauge, "pdserve_kv_transfers_failed", "PD: KV fetches that ended without the bytes, by "
            "cause (deadline, cancelled: the request ended meanwhile, or the error's name)", ("cause",)),
+    Metric("prefix_store_blocks", Gauge, "pdserve_prefix_store_blocks", "PD: the app's prefix store (docs/serving.md): "
+           "blocks published, found by look-ups (hit_blocks), pulled, evicted, and held now", ("event",)),
+    Metric("prefix_store_calls", Gauge, "pdserve_prefix_store_calls", "PD: prefix store look-ups (lookups), those "
+           "that found at least one block (hits), and pulls", ("event",)),
+    Metric("prefix_store_bytes", Gauge, "pdserve_prefix_store_bytes", "PD: bytes the prefix store holds (within "
+           "prefix_store_mib), and those of evicted blocks a pull still reads (kept_for_pulls)", ("kind",)),
     Metric("pd_prompt_tokens", Gauge, "pdserve_pd_prompt_tokens", "PD prompt tokens by who had them: decode_cache "
            "(D held their KV), decode (D computed them), prefill (P computed and sent them)", ("source",)),
 )
@@ -212,7 +218,24 @@ class IngressMetrics:
             if transfers is not None:
                 self.kv_bytes.set(transfers["bytes"])
                 self.kv_transfers.set(transfers["count"])
+        if "PrefillServer" in handles:
+            await self._prefix_store(handles["PrefillServer"])
         return generate_latest(self.registry)
+
+    async def _prefix_store(self, prefill) -> None:
+        """The prefix store's counters, through any P replica (the store is the app's one)."""
+        try:
+            counters = await asyncio.wait_for(prefill.prefix_store_counters.remote(), STATS_TIMEOUT_S)
+        except Exception:  # a stalled or failed P, or the store: the last values stay
+            return
+        if counters is None:
+            return
+        for event in ("published", "hit_blocks", "pulled_blocks", "evictions", "blocks"):
+            self.prefix_store_blocks.labels(event).set(counters[event])
+        for event in ("lookups", "hits", "pulls"):
+            self.prefix_store_calls.labels(event).set(counters[event])
+        self.prefix_store_bytes.labels("held").set(counters["bytes"])
+        self.prefix_store_bytes.labels("kept_for_pulls").set(counters["kept_for_pulls"])
 
 
 async def running_replicas() -> dict[str, int]:

@@ -9,7 +9,11 @@ the ingress's process. For a call:
    that said how much of the prompt it holds, deployments/pd/backends.py): that replica;
 2. else, among the replicas no stream found stalled (deployments/replicas/liveness.py), the one that was
    sent the most of the prompt's start (a prefix index per deployment, as Ray Serve LLM's
-   prefix-aware router and SGLang's router keep one), the less loaded of equals; unless the
+   prefix-aware router and SGLang's router keep one), the less loaded of equals; with the app's
+   prefix store on (P, deployments/replicas/prefix_store.py), a prompt's start that some P was sent
+   is in the store too (P publishes what it computed), and counts for every replica at
+   ``STORE_WEIGHT`` of a token in its own pool: below "in my pool" (a pull costs a copy), above
+   nothing (no compute); unless the
    replicas' loads differ by more than a bound, when the least loaded comes first (Ray Serve
    LLM's rule). Load is what the replica last reported (``record_routing_stats``: P's queued
    prompt tokens; D's and colocated's running and waiting requests) plus what this process sent
@@ -41,6 +45,8 @@ INDEX_ENTRIES = 1 << 17  # entries kept per deployment, least recently used forg
 PREFILL_IMBALANCE_TOKENS = 4096  # P: past this spread of queued prompt tokens, load decides before affinity
 IMBALANCE_REQUESTS = 8  # D and colocated: past this spread of requests, load decides before affinity
 STATS_PERIOD_S = 0.5  # how often replicas report their load to routers
+STORE_WEIGHT = 0.5  # a prompt token in the prefix store, against one in the replica's own pool (1) or nowhere (0)
+STORE = "prefix store"  # the index's owner name for blocks the prefix store holds
 
 
 def block_keys(request: GenerationRequest) -> list[bytes]:
@@ -93,6 +99,8 @@ _first_choices: dict[str, str] = {}  # P call's request id -> the replica ranked
 FIRST_CHOICES_KEPT = 4096  # bounds _first_choices should a call end before it was routed
 _routed: dict[str, set[str]] = {}  # deployment name -> its running replicas, as Serve last told this process's router
 _paired: dict[str, set[str] | None] = {}  # deployment name -> the only replicas calls may go to (None: any)
+_stored: set[str] = set()  # deployments whose replicas publish to and pull from the app's prefix store
+_by_load_alone: set[str] = set()  # deployments routed without prefix affinity (AppArgs pd_prefill_affinity off)
 
 
 def routed_replicas(deployment: str) -> set[str] | None:
@@ -106,6 +114,16 @@ def set_paired(deployment: str, replicas: set[str] | None) -> None:
     pairs them, deployments/pd/compatibility.py): calls go to them alone, but those pinned elsewhere
     (the watch's probes); a replica not described yet takes none. None: no pairing, any replica."""
     _paired[deployment] = replicas
+
+
+def set_prefix_store(deployment: str) -> None:
+    """``deployment``'s replicas share the app's prefix store: routing counts what it holds (module docstring)."""
+    _stored.add(deployment)
+
+
+def set_affinity_off(deployment: str) -> None:
+    """``deployment``'s calls go by load alone, ties at random: no replica is preferred for a prompt it was sent."""
+    _by_load_alone.add(deployment)
 
 
 def first_choice(request_id: str) -> str | None:
@@ -149,21 +167,26 @@ def rank(deployment: str, request: GenerationRequest, replicas: list[RunningRepl
     index = _indexes.setdefault(deployment, PrefixIndex())
     keys = block_keys(request)
     ids = [r.replica_id.to_full_id_str() for r in replicas]
-    matched = index.matched_tokens(keys, ids)
+    matched = dict.fromkeys(ids, 0) if deployment in _by_load_alone else index.matched_tokens(keys, ids)
+    stored = index.matched_tokens(keys, [STORE])[STORE] if deployment in _stored else 0
+    worth = {rid: matched[rid] + STORE_WEIGHT * max(0, stored - matched[rid]) for rid in ids}
     now = time.monotonic()
     loads = {rid: load(r, prefill, now) for rid, r in zip(ids, replicas)}
     bound = PREFILL_IMBALANCE_TOKENS if prefill else IMBALANCE_REQUESTS
     balanced = max(loads.values()) - min(loads.values()) <= bound
     ties = {rid: random.random() for rid in ids}
     order = sorted(range(len(replicas)), key=lambda i: (
-        (-matched[ids[i]], loads[ids[i]]) if balanced else (loads[ids[i]], -matched[ids[i]]), ties[ids[i]]))
+        (-worth[ids[i]], loads[ids[i]]) if balanced else (loads[ids[i]], -worth[ids[i]]), ties[ids[i]]))
     best = ids[order[0]]
     index.insert(keys, best)
+    if deployment in _stored:
+        index.insert(keys, STORE)
     if prefill:
         _first_choices[request.request_id] = best
         while len(_first_choices) > FIRST_CHOICES_KEPT:
             del _first_choices[next(iter(_first_choices))]
-    _sent.setdefault(best, []).append((now, request.num_context_tokens - matched[best] if prefill else 1))
+    to_compute = request.num_context_tokens - max(matched[best], stored)  # P: what neither its pool nor the store has
+    _sent.setdefault(best, []).append((now, to_compute if prefill else 1))
     return [replicas[i] for i in order]
 
 

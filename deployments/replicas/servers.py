@@ -31,6 +31,7 @@ from deployments.failures import PrefixLost, ReplicaGone
 from deployments.replicas.liveness import Accepted, Heartbeat, heartbeats, replica_id
 from deployments.replicas.load_meter import LoadMeter
 from deployments.replicas.output_channels import ChannelSender
+from deployments.replicas.prefix_store import PrefixStoreClient
 from deployments.replicas.lora_store import LoraCache
 from deployments.pd.routing import STATS_PERIOD_S, EngineRouter
 from engine.async_engine import AsyncEngine, EngineStats
@@ -211,8 +212,10 @@ class _KVServer(_StreamingServer):
 @serve.deployment(ray_actor_options={"num_cpus": 1}, request_router_config=ROUTER)
 class PrefillServer(_KVServer):
     def __init__(self, engine_config: EngineConfig, lora_store, max_loras: int, heartbeat_s: float,
-                 step_timeout_s: float, kv: KVConnector | None = None) -> None:
+                 step_timeout_s: float, kv: KVConnector | None = None, prefix_store=None) -> None:
+        """``prefix_store``: the app's PrefixStoreServer (deployments/replicas/prefix_store.py), None when off."""
         super().__init__(engine_config, lora_store, max_loras, heartbeat_s, step_timeout_s, kv)
+        self.prefix_store = None if prefix_store is None else PrefixStoreClient(prefix_store, self.engine)
 
     async def prefill(self, request: GenerationRequest, kv_export_start: int = 0
                       ) -> AsyncIterator[Accepted | Heartbeat | PrefillReply | Any]:
@@ -225,8 +228,18 @@ class PrefillServer(_KVServer):
     async def _prefilled(self, request: GenerationRequest, kv_export_start: int) -> AsyncIterator:
         self.meter.prompts += 1
         lora = await self.loras.adapter(request.lora)  # under heartbeats: a slow adapter fetch is no stall
-        for item in self.kv.send(await self.engine.prefill(request, kv_export_start, lora)):
+        # The app's prefix store: the prompt's blocks it holds beyond this pool are pulled in (under heartbeats)
+        keys, stored = await self.prefix_store.pull(request, lora) if self.prefix_store is not None else ([], 0)
+        outputs = await self.engine.prefill(request, kv_export_start, lora)
+        for item in self.kv.send(outputs):
             yield item
+        if self.prefix_store is not None:  # after P's reply: what the store lacks of the exported KV
+            result = next((o.prefill for o in outputs if o.prefill is not None), None)
+            self.prefix_store.publish(keys, stored, result.kv if result is not None else None)
+
+    async def prefix_store_counters(self) -> dict[str, int] | None:
+        """The app's prefix store's counters (PrefixStore.counters), None when it is off: /metrics."""
+        return None if self.prefix_store is None else await self.prefix_store.store.counters.remote()
 
     def load(self) -> dict[str, float]:
         """P's load: the prompt tokens it has yet to compute."""

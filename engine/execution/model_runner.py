@@ -389,6 +389,14 @@ class ModelRunner:
             if move is not None:
                 run.append(move)
 
+    def write_blocks(self, blocks: list[int], data: np.ndarray) -> None:
+        """Write whole blocks' KV: ``data`` [L, 2, len(blocks) * block_size, Hkv, D] (the prefix
+        store's blocks, in order) into ``blocks``."""
+        bs = self.blocks.block_size
+        slots = torch.tensor([b * bs + i for b in blocks for i in range(bs)], device=self.device)
+        if slots.numel():
+            self.kv_cache[:, :, slots] = numpy_to_tensor(data, self.loaded.dtype).to(self.device)
+
     def export_kv(self, seq: StepSequence, start: int = 0) -> np.ndarray:
         """The KV of tokens [start, seq.num_tokens) as one array [L, 2, T, Hkv, D]: in PREFILL mode, the
         prompt and a resumed request's earlier output, every one computed."""
