@@ -8,7 +8,7 @@ against it under Triton's interpreter (TRITON_INTERPRET=1: the kernels' code on 
 process forked from one that has imported torch and triton, stopping at the first failure.
 
 Run in a copy of the tree with its part's config as setup.cfg (the Makefile's `mutants` target):
-``python tests/mutmut_jit.py run`` writes ``mutants/jit-results.json`` (name -> killed, survived,
+``python tests/mutmut_jit.py run [GLOB...]`` writes ``mutants/jit-results.json`` (name -> killed, survived,
 timeout), ``report`` prints the counts and the survivors, ``show NAME`` prints a mutant as a diff.
 Keys read from setup.cfg's [mutmut]: ``jit_sources`` (one line a file: its path, then the tests that
 its mutants run, fastest first), ``pytest_add_cli_args`` (as mutmut reads it), ``max_children``. Only
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import configparser
 import difflib
+import fnmatch
 import json
 import os
 from pathlib import Path
@@ -100,7 +101,8 @@ def _start(worker: Path, path: str, code: str, args: list[str]) -> int:
     return pid
 
 
-def run() -> None:
+def run(*patterns: str) -> None:
+    """Every mutant not run yet (or those named by ``patterns``, globs, run again)."""
     cfg = config()
     args = {path: ["-x", "-q", *cfg["args"], *tests] for path, tests in cfg["sources"].items()}
     import pytest  # noqa: F401  (imported once here, inherited by every child)
@@ -123,7 +125,7 @@ def run() -> None:
             sys.exit(f"the selected tests fail on the unmutated {path}: fix them first")
         clean[path] = time.monotonic() - started
     todo = [(path, name, code) for path in cfg["sources"] for name, code in mutants(path).items()
-            if name not in results]
+            if (any(fnmatch.fnmatch(name, p) for p in patterns) if patterns else name not in results)]
     print(f"{len(todo)} mutants to run; the clean runs took {', '.join(f'{t:.0f} s' for t in clean.values())}",
           flush=True)
     running: dict[int, tuple] = {}  # pid -> (worker, path, name, deadline)
