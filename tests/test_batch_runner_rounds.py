@@ -1,10 +1,12 @@
 """The Batch API's runner (deployments/ingress/batch_runner.py) round by round, as the ingress runs it:
 nothing asked of the engines while no batch is unfinished, a claimed batch driven to its end, the lines
 in flight halved while interactive requests wait and grown back by one a round once none does, and a
-batch refused at validation failed with the time and the reasons. Written for the survivors of
+batch refused at validation failed with the time and the reasons, one past its window expired, and
+the lines sent to the batch's endpoint under its key, never more in flight than allowed. Written for the survivors of
 `make mutants`'s batch part (docs/testing.md); tests/test_batch_lines.py drives single batches."""
 
 import asyncio
+import json
 import time
 
 from deployments.ingress.batch_runner import MIN_IN_FLIGHT, BatchRunner
@@ -100,3 +102,38 @@ def test_a_batch_cancelled_while_it_was_validated_stays_cancelled(tmp_path):
     driver = runner(store, Engines())
     assert driver._fail(store.batch(batch["id"]), [{"code": "invalid_file"}])["status"] == "cancelled"
     assert store.batch(batch["id"])["errors"] is None
+
+
+def test_a_batch_past_its_window_expires_with_each_unsent_line_in_its_error_file(tmp_path):
+    store, batch = stored_batch(tmp_path, [ask("a"), ask("b")])
+    store.start(batch["id"], [("a", {}), ("b", {})])
+    store.update(batch["id"], expires_at=int(time.time()) - 1)
+    engines = Engines()
+    asyncio.run(runner(store, engines).drive(batch["id"]))
+    expired = store.batch(batch["id"])
+    assert engines.sent == 0 and expired["status"] == "expired" and expired["expired_at"] >= expired["expires_at"]
+    assert expired["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    errors = [json.loads(line) for line in store.content(expired["error_file_id"]).decode().splitlines()]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("a", "batch_expired"), ("b", "batch_expired")]
+    assert expired["output_file_id"] is None
+
+
+def test_lines_go_to_the_batchs_endpoint_under_its_key_never_more_in_flight_than_allowed(tmp_path):
+    store, batch = stored_batch(tmp_path, [ask(c) for c in "abcdef"])
+    calls, in_flight, most = [], [0], [0]
+
+    async def send(endpoint, body, key_name):
+        calls.append((endpoint, key_name))
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        await asyncio.sleep(0.02)
+        in_flight[0] -= 1
+        return OK[0], OK[1], None
+
+    driver = BatchRunner(store, send, Engines().probe, "me", max_in_flight=2, lease_s=60.0, poll_s=0.01)
+    before = int(time.time())
+    asyncio.run(driver.drive(batch["id"]))
+    done = store.batch(batch["id"])
+    assert calls == [("/v1/chat/completions", "default")] * 6 and most[0] == 2
+    assert done["status"] == "completed" and before <= done["finalizing_at"] <= done["completed_at"]
+    assert done["request_counts"] == {"total": 6, "completed": 6, "failed": 0} and driver.in_flight == 0
