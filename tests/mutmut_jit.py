@@ -130,6 +130,12 @@ def run(*patterns: str) -> None:
           flush=True)
     running: dict[int, tuple] = {}  # pid -> (worker, path, name, deadline)
     free = list(workers)
+
+    def stop(signum, frame):  # the part's bound (timeout's SIGTERM): no child outlives the run
+        for pid in running:
+            os.kill(pid, signal.SIGKILL)
+        sys.exit(f"stopped by signal {signum}; {len(todo) + len(running)} mutants not checked")
+    signal.signal(signal.SIGTERM, stop)
     while todo or running:
         while todo and free:
             path, name, code = todo.pop(0)
