@@ -4,6 +4,7 @@ the role watches, the canary and Serve's status, each given by a fake. The serve
 killed, an app never placed, D stopped) are tests/test_operations.py's and tests/test_faults.py's."""
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -34,6 +35,8 @@ class Stream:
         async def stream(request, *args, **kwargs):
             self.calls.append((name, request, kwargs))
             for batch in self.batches:
+                if isinstance(batch, Exception):  # the call fails before this batch
+                    raise batch
                 yield batch
         return stream
 
@@ -108,8 +111,9 @@ def test_colocated_is_ok_after_one_canary_of_two_tokens_then_answers_from_it(reg
     readiness = Readiness(colocated(streams), None, ready)
     assert check(readiness) == (True, {"status": "ok"})
     assert check(readiness) == (True, {"status": "ok"})
-    assert [way for way, _, _ in streams.calls] == ["colocated"]  # the second answered from the first
+    assert [(way, kwargs) for way, _, kwargs in streams.calls] == [("colocated", {})]  # the second: from the first
     request = streams.calls[0][1]
+    assert 0 < request.deadline - time.time() <= health.CANARY_TIMEOUT_S
     assert request.prompt_token_ids == list(range(1, 33)) and request.priority == PRIORITY_MIN
     assert request.params.max_new_tokens == 2 and request.params.temperature == 0.0 and request.params.ignore_eos
     readiness.last.at -= health.FRESH_S  # an old canary: a new one
@@ -149,6 +153,15 @@ def test_pd_canary_goes_through_p_and_d(registry):
     streams = Stream([[output(1)], [output(1)]])
     assert check(Readiness(pd_backend(Watch(), streams), None, ready)) == (True, {"status": "ok"})
     assert [(way, kwargs) for way, _, kwargs in streams.calls] == [("pd", {"disaggregate": True})]
+
+
+@pytest.mark.parametrize("batches,where", [([RuntimeError("P refused")], "PrefillServer"),
+                                           ([[output(1)], [output(0, error="D failed")]], "DecodeServer"),
+                                           ([[output(1)], [output(1)], [output(1)]], "DecodeServer")])
+def test_a_pd_canary_names_where_it_failed_p_before_its_first_token_d_after(registry, batches, where):
+    registry.status.update(PrefillServer=("HEALTHY", ""), DecodeServer=("HEALTHY", ""))
+    ok, body = check(Readiness(pd_backend(Watch(), Stream(batches)), None, ready))
+    assert not ok and body["canary"]["deployment"] == where and body["deployments"][where]["status"] == "failing"
 
 
 def test_d_down_is_degraded_with_its_canary_through_p_alone_or_unavailable_when_degradation_is_off(registry):
