@@ -120,14 +120,18 @@ bench-llamacpp: install $(LLAMACPP_BIN)
 clean:
 	rm -rf $(VENV) .venv-vllm
 
-# Mutation testing (docs/testing.md), not part of CI: mutmut over sampling/ and the scheduling core,
-# in two parts, each against its own fast unit tests (tests/mutmut-<part>.cfg), each in a scratch
-# copy under build/mutants/<part>, at the lowest CPU priority, each bounded to MUTANTS_S seconds.
+# Mutation testing (docs/testing.md), not part of CI: mutmut over sampling/, the scheduling core, the
+# dialects, the scheduler's admission and preemption, the Batch API's runner and store, the role watches
+# with the KV connector's deadlines, and the Triton kernels, in parts, each against its own fast tests
+# (tests/mutmut-<part>.cfg), each in a scratch copy under build/mutants/<part>, at the lowest CPU
+# priority, each bounded to MUTANTS_S seconds. A part whose config names `mutant_names` runs only those
+# mutants (globs over mutmut's names: functions of a file); the triton part is run by tests/mutmut_jit.py
+# (mutmut skips @triton.jit kernels), under Triton's interpreter.
 # mutmut lives in a venv of its own that sees .venv's packages (a .pth file), so neither
 # requirements.lock nor .venv changes. Report: `make mutants-report`.
 MUTANTS       := build/mutants
 MUTANTS_S     ?= 900
-MUTANT_PARTS  ?= sampling scheduling dialects
+MUTANT_PARTS  ?= sampling scheduling dialects roles batch admission triton
 MUTMUT    := build/venv-mutants/bin/mutmut
 
 # .venv is built when missing, never rebuilt here: a working tree whose pyproject.toml is being
@@ -144,16 +148,37 @@ $(MUTMUT): | $(if $(wildcard $(STAMP)),,$(STAMP))
 mutants: $(MUTMUT)
 	for part in $(MUTANT_PARTS); do \
 	  rm -rf $(MUTANTS)/$$part && mkdir -p $(MUTANTS)/$$part && \
-	  cp -r sampling engine deployments dialects tests configs $(MUTANTS)/$$part/ && \
+	  cp -r sampling engine deployments dialects tests configs benchmarks $(MUTANTS)/$$part/ && \
 	  cp tests/mutmut-$$part.cfg $(MUTANTS)/$$part/setup.cfg && \
-	  (cd $(MUTANTS)/$$part && OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=$(abspath build/torch-extensions-mutants)/$$part \
-	    timeout $(MUTANTS_S) nice -n 19 ../../venv-mutants/bin/mutmut run --max-children 2 || true); \
+	  (cd $(MUTANTS)/$$part && export OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=$(abspath build/torch-extensions-mutants)/$$part && \
+	    if [ $$part = triton ]; then \
+	      TRITON_INTERPRET=1 timeout $(MUTANTS_S) nice -n 19 ../../venv-mutants/bin/python tests/mutmut_jit.py run; \
+	    else \
+	      set -f && timeout $(MUTANTS_S) nice -n 19 ../../venv-mutants/bin/mutmut run --max-children 2 $$($(MUTANT_NAMES)); \
+	    fi || true); \
 	done
 	$(MAKE) --no-print-directory mutants-report
 
+# The part's `mutant_names` (setup.cfg), empty for a part that runs every mutant of its files.
+MUTANT_NAMES = ../../venv-mutants/bin/python -c 'import configparser; c = configparser.ConfigParser(); \
+  c.read("setup.cfg"); print(c.get("mutmut", "mutant_names", fallback=""))'
+
+# The verdicts (`mutmut results --all true`, on stdin) of the mutants named by the arguments, counted.
+export SELECTED_COUNTS := import collections, fnmatch, sys; verdicts = collections.Counter(line.rsplit(": ", 1)[1].strip() \
+  for line in sys.stdin if any(fnmatch.fnmatch(line.split(": ")[0].strip(), name) for name in sys.argv[1:])); \
+  print("selected:", dict(verdicts))
+
+# Per part: mutmut's counts (over every mutant of the part's files) and its survivors; for a part with
+# `mutant_names`, the counts of those mutants only (`selected`); the triton part's from tests/mutmut_jit.py.
 mutants-report:
 	for part in $(MUTANT_PARTS); do \
-	  echo "== $$part" && (cd $(MUTANTS)/$$part && ../../venv-mutants/bin/mutmut export-cicd-stats >/dev/null && \
-	    cat mutants/mutmut-cicd-stats.json && ../../venv-mutants/bin/mutmut results); \
+	  echo "== $$part" && (cd $(MUTANTS)/$$part && if [ $$part = triton ]; then \
+	    ../../venv-mutants/bin/python tests/mutmut_jit.py report; \
+	  else \
+	    ../../venv-mutants/bin/mutmut export-cicd-stats >/dev/null && cat mutants/mutmut-cicd-stats.json && \
+	    set -f && names="$$($(MUTANT_NAMES))" && if [ -n "$$names" ]; then \
+	      ../../venv-mutants/bin/mutmut results --all true | ../../venv-mutants/bin/python -c "$$SELECTED_COUNTS" $$names; \
+	    fi && ../../venv-mutants/bin/mutmut results; \
+	  fi); \
 	done
 
