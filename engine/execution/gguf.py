@@ -4,8 +4,10 @@ A ``.gguf`` file, or a directory holding exactly one, is dequantized once to the
 transformers' GGUF reader and cached as an ordinary Hugging Face model directory (config.json,
 model.safetensors, tokenizer files with the file's own chat template, generation_config.json),
 keyed by the file's sha256 and the dtype. Every later start, P and D and each replica, loads that
-directory as it loads any other; the engine never sees GGUF. Quantized kernels are not used:
-the weights are served dequantized (docs/architecture.md, "GGUF").
+directory as it loads any other. Where quantized kernels run (the CPU's C++ ones, Triton's on
+CUDA), the linear weights and the token table are then taken from the file's own blocks instead
+(engine/execution/quant/gguf_tensors.py) and only the rest (norms, biases, types without a
+kernel) from this directory (docs/serving.md, "Weights: dtype and quantization").
 
 The cache lives in ``$PDSERVE_CACHE/gguf`` (default ``~/.cache/pdserve/gguf``), one directory per
 (file, dtype) of about parameters x dtype size (SmolLM2-135M: 540 MB in float32, 270 MB in
