@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 import logging
 import queue
 import threading
@@ -58,6 +58,7 @@ class EngineStats:
     requests: int  # requests with a sequence here: running, waiting, or receiving their KV
     prefix_holds: int  # prefixes held for requests that have not come yet (engine/prefix_holds.py)
     waiting_background: int = 0  # of the waiting, background ones (Batch API lines: engine/scheduler.py)
+    kv_tier: dict[str, int] = field(default_factory=dict)  # the second tier's counts (engine/kv_tier.py); {} without one
 
     @property
     def kv_cache_usage(self) -> float:
@@ -222,7 +223,7 @@ class AsyncEngine:
                            scheduler.num_prompt_tokens_computed, scheduler.queued_prompt_tokens(),
                            drafter.num_drafts, drafter.num_draft_tokens, drafter.num_accepted_tokens,
                            self.engine.dtype, len(self.engine.active_request_ids()), len(self.engine.holds),
-                           background)
+                           background, {} if blocks.tier is None else asdict(blocks.tier.counts))
 
     def num_streams(self) -> int:
         """Callers' streams open now (read live: a stream closes on the caller's loop, after the last step)."""

@@ -3,11 +3,13 @@ the pool goes on there, and a hit is copied back instead of computed. The ledger
 the engine in process (tiny-llama, fp32): exact tokens equal to a run without the tier and to a cold
 run, prompt tokens computed and the counters as claimed."""
 
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from engine.async_engine import AsyncEngine
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_tier import KVTier
@@ -193,6 +195,10 @@ def test_a_tier_hit_is_copied_back_with_the_same_tokens(params):
     assert counts.spills > 0 and counts.spilled_bytes == counts.spills * with_tier.blocks.tier.block_bytes
     computed_with, computed_without = (e.scheduler.num_prompt_tokens_computed for e in (with_tier, without))
     assert computed_without - computed_with == 16 * BLOCK
+    # The counts reach the replica's stats (what /metrics shows as pdserve_kv_tier); none without a tier.
+    snapshot = AsyncEngine._snapshot
+    assert snapshot(SimpleNamespace(engine=with_tier, _finished={})).kv_tier == asdict(counts)
+    assert snapshot(SimpleNamespace(engine=without, _finished={})).kv_tier == {}
 
 
 def test_a_tier_entry_is_not_used_for_another_prompt_table():

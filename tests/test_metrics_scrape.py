@@ -86,9 +86,11 @@ def test_a_deployments_gauges_are_its_replicas_summed_each_counted_once():
     dict's counts are added (a priority none waits in stays at 0), each replica once."""
     from deployments.pd import routing
 
-    first = replace(stats(blocks_used=7), waiting_by_priority={1: 0, 5: 2}, finished_by_reason={"length": 3})
+    first = replace(stats(blocks_used=7), waiting_by_priority={1: 0, 5: 2}, finished_by_reason={"length": 3},
+                    kv_tier={"hits": 2, "spills": 5})
     second = replace(stats(blocks_used=5), waiting_by_priority={1: 0, 5: 1}, finished_by_reason={"length": 1,
-                                                                                                "stop": 2})
+                                                                                                "stop": 2},
+                     kv_tier={"hits": 1, "spills": 0})
     backend = SimpleNamespace(handles={"DecodeServer": SimpleNamespace(
         replica_stats=Replicas({"a": first, "b": second}), kv_transfers=Answering(None))})
     routing._routed["DecodeServer"] = {"a", "b", "gone"}
@@ -102,5 +104,7 @@ def test_a_deployments_gauges_are_its_replicas_summed_each_counted_once():
                    'pdserve_engine_requests_finished{deployment="DecodeServer",reason="length"} 4.0',
                    'pdserve_engine_requests_finished{deployment="DecodeServer",reason="stop"} 2.0',
                    'pdserve_running_requests{deployment="DecodeServer"} 2.0',
+                   'pdserve_kv_tier{deployment="DecodeServer",event="hits"} 3.0',
+                   'pdserve_kv_tier{deployment="DecodeServer",event="spills"} 5.0',
                    f'pdserve_kv_cache_usage_perc{{deployment="DecodeServer"}} {12 / 128}'):
         assert sample in text, sample

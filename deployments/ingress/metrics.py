@@ -73,6 +73,9 @@ METRICS = (
     Metric("kv_blocks", Gauge, "pdserve_kv_blocks", "KV cache blocks", ("deployment", "state")),
     Metric("finished", Gauge, "pdserve_engine_requests_finished", "requests an engine has ended since it started",
            ("deployment", "reason")),
+    Metric("kv_tier", Gauge, "pdserve_kv_tier", "the second KV tier behind each pool (kv_tier_gb, docs/serving.md), "
+           "since start: hits, spills, copy_backs and evictions in blocks, spilled_bytes and copied_back_bytes",
+           ("deployment", "event")),
     Metric("kv_usage", Gauge, "pdserve_kv_cache_usage_perc", "fraction of KV blocks held by requests (cached "
            "blocks count as free)", DEPLOYMENT, stat="kv_cache_usage"),
     Metric("prefix_queries", Gauge, "pdserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
@@ -195,6 +198,8 @@ class IngressMetrics:
             self.kv_blocks.labels(name, "free").set(s.blocks_total - s.blocks_used - s.blocks_cached)
             for reason, count in s.finished_by_reason.items():
                 self.finished.labels(name, reason).set(count)
+            for event, count in s.kv_tier.items():
+                self.kv_tier.labels(name, event).set(count)
         for (where, reason), count in getattr(backend, "decisions", {}).items():
             self.pd_decisions.labels(where, reason).set(count)
         if (watch := getattr(backend, "watch", None)) is not None:
