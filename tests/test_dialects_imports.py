@@ -13,9 +13,9 @@ FORBIDDEN = ("ray", "deployments")
 # module listed nowhere is on the step loop's floor (where a new part of the engine lands).
 ENGINE_FLOORS = (
     ("data", ("engine.config", "engine.kv_transfer", "engine.outputs", "engine.model_info", "engine.lora_adapter")),
-    ("execution", ("engine.execution",)),
+    ("execution", ("engine.execution", "engine.kv_tier")),  # the tier: storage the runner copies into
     ("request", ("engine.request", "engine.detokenizer")),
-    ("blocks", ("engine.block_manager", "engine.prefix_holds")),
+    ("blocks", ("engine.block_manager", "engine.prefix_holds", "engine.prefix_store")),
     ("scheduler", ("engine.scheduler",)),
     ("step loop", ("engine.llm_engine", "engine.decoding", "engine.validation", "engine.output_processor",
                    "engine.offline")),
