@@ -1,8 +1,8 @@
 """The pytest driver's memory, in the run's summary: its RSS after each module ends (its engines and
 models collected, tests/conftest.py) and its peak; with each module's wall time, the figures that
-say where a worker's time goes (pytest's slowest steps name steps, not modules). Issue 53 bounds it (``RSS_BOUND_BYTES`` at every
-module boundary): a driver that keeps a module's engines takes the memory the served modules'
-replicas need. Under pytest-xdist each worker is a driver; its figures come to the controller with
+say where a worker's time goes (pytest's slowest steps name steps, not modules). Issue 53 bounds
+the RSS (``RSS_BOUND_BYTES`` at every module boundary): a driver that keeps a module's engines
+takes the memory the served modules' replicas need. Under pytest-xdist each worker is a driver; its figures come to the controller with
 the worker's end (``config.workeroutput``)."""
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ Every module is one unit of work, so its module-scoped engines are built once. T
 names in their source) are all one unit, "served": one worker runs them in the collection's
 order, sharing the kept apps of one Ray. The modules that start a Ray of their own (marked
 ``own_ray``: a cluster of several nodes, a GCS on Redis, a TLS proxy, a 2-CPU placement, `make
-serve`) are a second unit, "own_ray", run in order by whichever worker is free: the other worker,
-once it has run most of the model-free and in-process modules, beside the served unit. Their
-Rays never meet the shared one (each is started with ``address="local"``; none reads
+serve`) are a second unit, "own_ray", run in order by the other worker first, beside the served
+unit; that worker then runs the model-free and in-process modules. Their Rays never meet the
+shared one (each is started with ``address="local"``; none reads
 /tmp/ray/session_latest). Decided from the modules' source, so a new module is placed by what
 it starts, not by a list. (xdist's own ``--dist loadgroup`` groups by renaming the tests' ids,
 which pytest 9 no longer lets it do: this scheduler groups by module instead.)"""
@@ -32,8 +32,6 @@ def unit(module: Path) -> str | None:
     if _OWN_RAY_SOURCE.search(source):
         return OWN_RAY
     return SERVED if _SERVED_SOURCE.search(source) else None
-
-
 
 
 def make_scheduler(config, log):
