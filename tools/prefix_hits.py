@@ -3,8 +3,8 @@
 The ingress exports each engine deployment's prompt tokens looked up in its prefix cache and found
 there (``pdserve_prefix_cache_queries`` / ``pdserve_prefix_cache_hits{deployment}``, tokens, as vLLM
 counts them; deployments/ingress/metrics.py), running totals since the engine started. A run's figures are
-the differences. The ingress reads one replica per deployment per scrape: with several replicas of a
-deployment the difference is that of whichever replicas answered, exact with one replica each.
+the differences. The ingress sums each deployment's replicas (every replica it routes to, each
+counted once: deployments/ingress/metrics.py's ``deployment_stats``).
 """
 
 from __future__ import annotations
