@@ -284,9 +284,15 @@ def test_prefill_killed_after_its_reply_before_decode_fetched_the_kv(base_url):
         outputs = [o async for batch in backend.stream(GenerationRequest("p-alive", prompt, params)) for o in batch]
         return [t for o in outputs for t in o.new_token_ids]
 
+    async def both() -> tuple[list[int], list[int]]:
+        # One event loop for both, as in the ingress: the backend's channel readers are tasks of the
+        # loop that opened them. A second asyncio.run would cancel the first loop's reader to D on its
+        # way out, and D, told late, would close the channel under the request just accepted on it.
+        return await prefill_kill_decode(), await fault_free()
+
     (killed,) = replicas("PrefillServer", "pd")
-    tokens = asyncio.run(prefill_kill_decode())  # D read the KV of a dead P: no error, no prefill again
-    assert len(tokens) == 64 and tokens == asyncio.run(fault_free())
+    tokens, expected = asyncio.run(both())  # D read the KV of a dead P: no error, no prefill again
+    assert len(tokens) == 64 and tokens == expected
     # The ingress, too, has the new P before the next test: a request it routed to the dead P would
     # spend one of its migrations there (the KV-lease test below counts them).
     serving_resumes(base_url, killed, "PrefillServer", 1)
