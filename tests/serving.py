@@ -345,11 +345,18 @@ def assert_nothing_held(deployments: list[str], app: str, timeout_s: float = 60)
 
 
 def processes(deployment: str, app: str = "pd") -> list[psutil.Process]:
-    """The worker processes of a deployment's replicas (Ray titles them ray::ServeReplica:<app>:<deployment>)."""
+    """The live worker processes of this Ray's replicas of ``app``'s deployment. Found through this
+    Ray's actor table, not by the processes' titles alone (ray::ServeReplica:<app>:<deployment>):
+    a module with a Ray of its own on the other xdist worker (tests/workers.py) may run an app of
+    the same name, whose replicas a fault here must never touch."""
     found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if f"ServeReplica:{app}:{deployment}" in " ".join(process.info["cmdline"] or []):
-            found.append(process)
+    for name in replicas(deployment, app):
+        try:
+            process = replica_process(name)
+            if f"ServeReplica:{app}:{deployment}" in " ".join(process.cmdline()):  # alive, not a reused pid
+                found.append(process)
+        except (ValueError, TypeError, psutil.Error):  # the actor or its process ended meanwhile (a zombie too)
+            continue
     return found
 
 
