@@ -344,6 +344,17 @@ def assert_nothing_held(deployments: list[str], app: str, timeout_s: float = 60)
     assert wait_until(none_held, timeout_s, interval_s=0.5), f"held after {timeout_s} s: {held}"
 
 
+def object_store_bytes() -> int:
+    """Bytes in the object store of this process's Ray, every node, exact (the memory summary's text
+    rounds to MiB). Asked by the Ray's address: found by itself, Ray refuses when a second one runs
+    on the machine (the suite runs two, tests/workers.py)."""
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    state = get_state_from_address(ray.get_runtime_context().gcs_address)
+    return get_memory_info_reply(state).store_stats.object_store_bytes_used
+
+
 def processes(deployment: str, app: str = "pd") -> list[psutil.Process]:
     """The live worker processes of this Ray's replicas of ``app``'s deployment. Found through this
     Ray's actor table, not by the processes' titles alone (ray::ServeReplica:<app>:<deployment>):

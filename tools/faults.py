@@ -19,7 +19,6 @@ import concurrent.futures
 from dataclasses import dataclass
 import json
 from pathlib import Path
-import re
 import signal
 import sys
 import threading
@@ -33,7 +32,8 @@ import psutil  # noqa: E402
 from ray import serve  # noqa: E402
 
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
-from tests.serving import RAY_INTERNALS, migrations, processes, serve_session, sigkill, stopped, wait_until  # noqa: E402
+from tests.serving import (RAY_INTERNALS, migrations, object_store_bytes, processes, serve_session, sigkill,  # noqa: E402
+                           stopped, wait_until)
 
 STARTED_EVENTS = 5  # events each stream has read before the fault
 APP_ARGS = {"torch_threads": 1, "dtype": "float32", "embeddings": False, "pd_local_prefill_tokens": 0}
@@ -111,13 +111,6 @@ def blocks_held() -> dict[str, int]:
         handle = serve.get_deployment_handle(name, app_name="pd")
         held[name] = max(handle.stats.remote().result().blocks_used for _ in range(8))
     return held
-
-
-def object_store_bytes() -> int:
-    from ray._private.internal_api import memory_summary
-
-    match = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
-    return int(match.group(1)) << 20 if match else 0
 
 
 def until_success(url: str, since: float) -> float:

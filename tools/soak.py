@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from tools.soak_faults import FaultInjector, kinds, roles  # noqa: E402
 from tools.soak_invariants import RSS_GROWTH_BOUND, check, outcome, reference_key, rss_growth  # noqa: E402
 from tools.soak_mix import Record, Work, hostile, pool, reference, send  # noqa: E402
-from tests.serving import holding, migrations, processes, replicas, wait_until  # noqa: E402
+from tests.serving import holding, migrations, object_store_bytes, processes, replicas, wait_until  # noqa: E402
 
 APP = "soak"
 HOSTILE_SHARE, DISCONNECT_SHARE = 0.05, 0.10
@@ -79,13 +79,6 @@ def deploy(base_url: str, app_kind: str) -> str:
     url = f"{base_url}/{APP}"
     assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, 300, 1), "never healthy"
     return url
-
-
-def object_store_bytes() -> int:
-    """Bytes in Ray's object store on every node, exact (the memory summary's text rounds to MiB)."""
-    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
-
-    return get_memory_info_reply(get_state_from_address()).store_stats.object_store_bytes_used
 
 
 def settled_object_store_bytes(bound_s: float = 30.0) -> int:
