@@ -1,0 +1,97 @@
+"""A running request moved from one engine to another mid-decode (engine/running_export.py, the
+ingress's ``moved_leg``: deployments/ingress/migration.py) goes on as if it had never moved: the
+same tokens as an undisturbed run, greedy and seeded, nothing computed again on the new engine,
+its blocks freed on the old one. fp32, the tiny Llama."""
+
+from dataclasses import replace
+
+import pytest
+
+from deployments.ingress.migration import moved_leg
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationRequest, Mode
+from engine.running_export import Moved
+from sampling import SamplingParams
+
+PROMPT = [5, 17, 93, 41, 8, 260, 77, 301, 12, 44, 3]
+NEW_TOKENS = 20
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, temperature=0.0)
+# Seeded sampling with every control that reads the output so far (as tests/test_engine_resume.py).
+SEEDED = SamplingParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, temperature=0.9, top_k=50,
+                        repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3,
+                        no_repeat_ngram_size=2, seed=1234, logprobs=0)
+
+
+def engine(model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=32))
+
+
+@pytest.fixture(scope="module")
+def engines(model_dirs):
+    """The draining engine and the one that takes its requests over."""
+    return engine(model_dirs["llama"]), engine(model_dirs["llama"])
+
+
+def undisturbed(llm: LLMEngine, request: GenerationRequest) -> dict[int, list[int]]:
+    """Each choice's tokens, the request run whole on ``llm``."""
+    return {o.index: o.output_token_ids for o in llm.generate_choices([request])[request.request_id]}
+
+
+def tokens_of(outputs) -> dict[int, list[int]]:
+    by_choice: dict[int, list[int]] = {}
+    for output in outputs:
+        by_choice.setdefault(output.index, []).extend(output.new_token_ids)
+    return by_choice
+
+
+def run_moved(source: LLMEngine, target: LLMEngine, request: GenerationRequest, steps: int):
+    """``request`` on ``source`` for ``steps`` steps, moved, then to its end on ``target``: the
+    outputs by choice (as the ingress delivers them), the Moved, and target's prompt tokens computed."""
+    source.add_request(request)
+    before = []
+    for _ in range(steps):
+        before += source.step()
+    moved = source.move_out(request.request_id)
+    assert isinstance(moved, Moved)
+    computed = target.scheduler.num_prompt_tokens_computed
+    after = []
+    for choice in moved.choices:
+        leg, handoff = moved_leg(request, choice, 1)
+        target.add_request(leg, Mode.DECODE, handoff)
+        outputs = target.run_to_completion()[leg.request_id]
+        after += [replace(o, index=choice.index) for o in outputs]
+    return tokens_of(before + after), moved, target.scheduler.num_prompt_tokens_computed - computed
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("steps", [2, 9])
+def test_moved_request_continues_with_the_same_tokens(engines, params, steps):
+    source, target = engines
+    whole = undisturbed(source, GenerationRequest("whole", PROMPT, params))
+    moved_tokens, moved, computed = run_moved(source, target, GenerationRequest(f"m{steps}", PROMPT, params), steps)
+    assert moved_tokens == whole and len(whole[0]) == NEW_TOKENS
+    (choice,) = moved.choices
+    assert len(choice.output_ids) == steps  # one token a step; the last one is the new engine's first
+    assert choice.handoff.kv.meta.num_tokens == len(PROMPT) + steps - 1  # the KV resident: all but the last token
+    assert choice.handoff.kv.data.shape[2] == len(PROMPT) + steps - 1
+    assert computed == 0  # nothing of the prompt computed again on the new engine
+    assert source.blocks.counts().held == 0 and target.blocks.counts().held == 0
+
+
+def test_every_choice_moves(engines):
+    source, target = engines
+    whole = undisturbed(source, GenerationRequest("whole3", PROMPT, SEEDED, n=3))
+    moved_tokens, moved, computed = run_moved(source, target, GenerationRequest("m3", PROMPT, SEEDED, n=3), 5)
+    assert sorted(c.index for c in moved.choices) == [0, 1, 2]
+    assert moved_tokens == whole and computed == 0
+
+
+def test_a_request_that_cannot_move_yet_stays(engines):
+    source, _ = engines
+    request = GenerationRequest("waiting", PROMPT, GREEDY)
+    source.add_request(request)
+    assert source.move_out("waiting") is None  # its prompt has not run: nothing to move, nothing changed
+    assert source.move_out("not-here") is None
+    outputs = source.run_to_completion()["waiting"]
+    assert outputs[-1].finished and outputs[-1].num_output_tokens == NEW_TOKENS
