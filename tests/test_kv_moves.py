@@ -95,3 +95,21 @@ def test_a_request_that_cannot_move_yet_stays(engines):
     assert source.move_out("not-here") is None
     outputs = source.run_to_completion()["waiting"]
     assert outputs[-1].finished and outputs[-1].num_output_tokens == NEW_TOKENS
+
+
+def test_the_drain_signal_is_where_ray_serve_sets_it():
+    """deployments/replicas/draining.py reads Ray Serve's internal ``_shutting_down`` through this
+    process's ReplicaActor: Ray must still set it first in the graceful shutdown, before it waits for
+    the ongoing calls (the moves end them), and the actor must still hold its replica as ``_replica_impl``."""
+    import inspect
+
+    import ray
+    from ray.serve._private import replica
+
+    from deployments.replicas.draining import serve_draining
+
+    shutdown = inspect.getsource(replica.Replica._perform_graceful_shutdown)
+    assert shutdown.index("self._shutting_down = True") < shutdown.index("self._drain_ongoing_requests(")
+    assert "self._replica_impl" in inspect.getsource(replica.ReplicaActor.__init__)
+    assert isinstance(ray._private.worker.global_worker.actors, dict)  # actor id -> this process's actor instance
+    assert serve_draining() is False  # no replica here
