@@ -320,11 +320,6 @@ class DecodeServer(_KVServer):
         self._watch_drain()
         return await super().submit(request, channel, pinned)
 
-    def draining(self, pinned: str | None = None) -> bool:
-        """Whether Serve drains this replica (deployments/replicas/draining.py): its running requests
-        move to other D replicas. ``pinned``: this replica, for the router."""
-        return serve_draining()
-
     def _watch_drain(self) -> None:
         """Start, once, the task that moves this replica's running requests to other D replicas
         when Serve drains it (scale-down, redeploy: deployments/replicas/draining.py): each request's
