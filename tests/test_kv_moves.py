@@ -113,3 +113,27 @@ def test_the_drain_signal_is_where_ray_serve_sets_it():
     assert "self._replica_impl" in inspect.getsource(replica.ReplicaActor.__init__)
     assert isinstance(ray._private.worker.global_worker.actors, dict)  # actor id -> this process's actor instance
     assert serve_draining() is False  # no replica here
+
+
+def test_moved_choices_are_read_together_and_the_first_error_ends_them():
+    """A request of several choices moves as one stream per choice (PDBackend._followed): their
+    batches are delivered as they come, and one that fails ends the others (token replay then)."""
+    import asyncio
+
+    from deployments.pd.backends import _merged
+
+    async def choice(index: int, batches: int, fail: bool = False):
+        for step in range(batches):
+            await asyncio.sleep(0)
+            yield [(index, step)]
+        if fail:
+            raise ConnectionError(f"choice {index}'s D failed")
+
+    async def read(streams) -> list:
+        return [batch async for batch in _merged(streams)]
+
+    got = asyncio.run(read([choice(0, 3), choice(1, 2)]))
+    assert sorted(got) == [[(0, 0)], [(0, 1)], [(0, 2)], [(1, 0)], [(1, 1)]]
+    assert got.index([(1, 0)]) < got.index([(0, 2)])  # interleaved, not one choice after the other
+    with pytest.raises(ConnectionError, match="choice 1"):
+        asyncio.run(read([choice(0, 1000), choice(1, 1, fail=True)]))
