@@ -137,3 +137,40 @@ def test_moved_choices_are_read_together_and_the_first_error_ends_them():
     assert got.index([(1, 0)]) < got.index([(0, 2)])  # interleaved, not one choice after the other
     with pytest.raises(ConnectionError, match="choice 1"):
         asyncio.run(read([choice(0, 1000), choice(1, 1, fail=True)]))
+
+
+def test_a_served_stream_ends_with_its_move(model_dirs):
+    """AsyncEngine.move_out (what a draining D's watch sends): the request's stream ends with its
+    Moved after every output made before it, the engine holds nothing for it, and another engine
+    goes on from the Moved to the undisturbed run's tokens."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+
+    source = AsyncEngine(EngineConfig(model=str(model_dirs["llama"]), dtype="float32", block_size=4))
+    target = engine(model_dirs["llama"])
+    # Long enough that the engine thread cannot end it between its first output and the move's command.
+    params = replace(SEEDED, max_new_tokens=100, min_new_tokens=100)
+    request = GenerationRequest("served", PROMPT, params)
+
+    async def stream_then_move() -> list:
+        items = []
+        async for batch in source.generate_batches(request):
+            if not items:
+                source.move_out()
+            items += batch
+        return items
+
+    try:
+        items = asyncio.run(stream_then_move())
+        assert isinstance(items[-1], Moved) and not any(isinstance(o, Moved) for o in items[:-1])
+        (choice,) = items[-1].choices
+        streamed = [t for o in items[:-1] for t in o.new_token_ids]
+        assert choice.output_ids == streamed  # the Moved comes after every token the client has
+        assert source.engine.blocks.counts().held == 0 and not source.engine.active_request_ids()
+    finally:
+        source.shutdown()
+    leg, handoff = moved_leg(request, choice, 1)
+    target.add_request(leg, Mode.DECODE, handoff)
+    rest = [t for o in target.run_to_completion()[leg.request_id] for t in o.new_token_ids]
+    assert streamed + rest == undisturbed(target, GenerationRequest("whole-served", PROMPT, params))[0]
