@@ -30,6 +30,7 @@ from engine.llm_engine import LLMEngine
 from engine.lora_adapter import LoraAdapter
 from engine.outputs import KVWanted, PrefillResult, RequestOutput
 from engine.request import PRIORITY_MAX, PRIORITY_MIN, GenerationRequest, Mode
+from engine.running_export import Moved
 
 logger = logging.getLogger(__name__)
 RECEIVING_POLL_S = 1.0  # how often an idle engine checks the deadlines of requests waiting for their KV
@@ -115,7 +116,13 @@ class Abort:
     request_id: str
 
 
-EngineCommand = AddRequest | HoldPrefix | ReceiveKV | ImportPrefix | Abort
+@dataclass
+class MoveOut:
+    """Engine-thread command: hand every running request that can move to another engine
+    (LLMEngine.move_out); each one's stream ends with its ``Moved``."""
+
+
+EngineCommand = AddRequest | HoldPrefix | ReceiveKV | ImportPrefix | Abort | MoveOut
 
 
 @dataclass
@@ -176,7 +183,8 @@ class AsyncEngine:
                              lora: LoraAdapter | None = None) -> AsyncIterator[list[RequestOutput | KVWanted]]:
         """Import P's KV and stream the tokens after the first, in batches (``generate_batches``).
         When ``prefill.kv.data`` is None, a ``KVWanted`` comes first, once the request holds blocks
-        for the KV: fetch the bytes then and hand them over with ``receive_kv``; it may share a batch."""
+        for the KV: fetch the bytes then and hand them over with ``receive_kv``; it may share a batch.
+        A request handed elsewhere (``move_out``) ends with its ``Moved``, here as in ``generate_batches``."""
         async for batch in self._submit(request, Mode.DECODE, prefill, lora):
             yield batch
 
@@ -204,6 +212,12 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(Abort(request_id))
+        self._wake.set()
+
+    def move_out(self) -> None:
+        """Hand every running request that can move now to another engine, between two steps: each
+        stream's last item is then its ``Moved`` (engine/running_export.py). The rest stay; ask again."""
+        self._commands.put(MoveOut())
         self._wake.set()
 
     def stats(self) -> EngineStats:
@@ -313,7 +327,7 @@ class AsyncEngine:
                 for output in batch:
                     if isinstance(output, RequestOutput) and (output.finished or output.prefill is not None):
                         remaining.discard(output.index)
-                done = not remaining
+                done = not remaining or isinstance(batch[-1], Moved)  # a move ends the stream here
                 yield batch
         finally:
             if done:
@@ -389,6 +403,8 @@ class AsyncEngine:
                 command.loop.call_soon_threadsafe(_settle, command.answer, result)
             elif isinstance(command, ReceiveKV):
                 self.engine.receive_kv(command.request_id, command.data)
+            elif isinstance(command, MoveOut):
+                self._move_out()
             elif isinstance(command, ImportPrefix):
                 try:
                     self.engine.import_prefix(command.request_id, command.keys, command.first, command.data,
@@ -399,6 +415,11 @@ class AsyncEngine:
                 for output in self.engine.abort(command.request_id):
                     self._finished[output.finish_reason] += 1
                     self._deliver(output.request_id, output)
+
+    def _move_out(self) -> None:
+        for request_id in self.engine.active_request_ids():
+            if (moved := self.engine.move_out(request_id)) is not None:
+                self._deliver(request_id, moved)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in self.engine.active_request_ids():

@@ -36,7 +36,7 @@ import weakref
 import numpy as np
 import torch
 
-from engine import offline
+from engine import offline, running_export
 from engine.block_manager import BlockCounts, BlockManager
 from engine.config import EngineConfig
 from engine.decoding.beam_steps import BeamSearch
@@ -51,6 +51,7 @@ from engine.output_processor import UNDECIDED, OutputProcessor, sampled_tokens
 from engine.outputs import ABORT, EOS, LENGTH, STOP, TIMEOUT, PrefillResult, RequestOutput, Sampled
 from engine.prefix_holds import PrefixHolds
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence, SequenceStatus
+from engine.running_export import Moved
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.validation import RequestValidator
 from sampling import SamplingRow
@@ -215,6 +216,19 @@ class LLMEngine:
         outputs = [out for seq in self._choices(request_id) for out in self._end(seq, reason)]
         self.holds.drop(request_id)
         return outputs
+
+    def move_out(self, request_id: str) -> Moved | None:
+        """Hand a running request to another engine (engine/running_export.py): each choice's tokens,
+        sampler state and KV copied out, then its blocks freed and its prefix hold dropped, with no
+        output (the caller's stream ends with the ``Moved``). None, and nothing changes, while it
+        cannot move (waiting, receiving its KV, forking, beam search) or is not here."""
+        seqs = self._choices(request_id)
+        if not running_export.movable(seqs, self.beam_search.searching(request_id)):
+            return None
+        moved = Moved(request_id, [running_export.export_choice(seq, self.runner) for seq in seqs])
+        for seq in seqs:
+            self._release(seq)  # the last one drops the request's prefix hold
+        return moved
 
     def _choices(self, request_id: str) -> list[Sequence]:
         return [seq for (rid, _), seq in self._seqs.items() if rid == request_id]

@@ -1,7 +1,7 @@
 """Faults, injected for real, against the failure contract (docs/serving.md): a D replica killed
 mid-stream (one of two), a D replica stopped mid-stream (one of two), the one colocated replica
 killed mid-stream, P killed between its reply and D's fetch, every D stopped (P serves alone, then PD
-comes back).
+comes back); last, D scaled down 2 -> 1 mid-stream (Serve drains one: its streams move with their KV).
 Each fault is proven (a replica or process is gone or still stopped, the ingress counted
 migrations); every stream completes with the tokens a fault-free run gives (seeded sampling too:
 the migrated continuation is the same sampling process) or ends with its dialect's clean error;
@@ -20,6 +20,7 @@ import psutil
 import pytest
 import ray
 from ray import serve
+from ray.serve import Application
 
 from deployments.app import colocated_app, pd_app
 from deployments.pd.backends import PDBackend
@@ -41,17 +42,36 @@ KV_LEASE_S = 6
 STALL_TIMEOUT_S = 3
 
 
+def the_pd_app(decode_replicas: int = DECODE_REPLICAS) -> Application:
+    """The "pd" app, with ``decode_replicas`` D replicas (redeployed with fewer: a scale-down)."""
+    return versioned(pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
+                             "kv_lease_s": KV_LEASE_S, "stall_timeout_s": STALL_TIMEOUT_S,
+                             "pd_local_prefill_tokens": 0},
+                            decode_options={"num_replicas": decode_replicas, "ray_actor_options": {  # fault hooks on
+                                "num_cpus": 1, "runtime_env": {"env_vars": {"PDSERVE_FAULT_HOOKS": "1"}}}}))
+
+
+def versioned(app: Application, version: str = "faults") -> Application:
+    """``app`` with every deployment at code version ``version``, as Serve gives a config file's
+    app: then a redeploy that changes only replica counts updates the app in place (a scale-down).
+    ``serve.run`` gives a Python app's deployments a random version each time (client.py:
+    ``deployment._version or get_random_string()``), and ``Deployment.options`` no longer takes
+    one, so it is set where that line reads it."""
+    deployment = app._bound_deployment
+    deployment._version = version
+    for value in [*deployment.init_args, *deployment.init_kwargs.values()]:
+        if isinstance(value, Application):
+            versioned(value, version)
+    return app
+
+
 @pytest.fixture(scope="module")
 def base_url():
     with serve_session() as url:
         # A migrated stream recomputes its tokens' KV in one prefill; batch-invariant mode (on in the suite,
         # tests/conftest.py) makes that equal to the KV the decode steps wrote in every dtype: PD in float32,
         # colocated in bfloat16, so each exact-text assertion holds in both.
-        deploy({"pd": pd_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False, "dtype": "float32",
-                              "kv_lease_s": KV_LEASE_S, "stall_timeout_s": STALL_TIMEOUT_S,
-                              "pd_local_prefill_tokens": 0},
-                             decode_options={"num_replicas": DECODE_REPLICAS, "ray_actor_options": {  # fault hooks on
-                                 "num_cpus": 1, "runtime_env": {"env_vars": {"PDSERVE_FAULT_HOOKS": "1"}}}}),
+        deploy({"pd": the_pd_app(),
                 "co": colocated_app({"torch_threads": 1, "max_iter_times": LONG, "embeddings": False,
                                      "dtype": "bfloat16", "batch_invariant": True})}, {"pd": "/"})
         for app_url in (url, f"{url}/co"):  # each ingress has learnt its engines before any fault
@@ -501,3 +521,47 @@ def test_a_client_that_leaves_while_queued_or_in_transfer_leaves_nothing_held(ba
         # the client has gone
     assert_nothing_held(["PrefillServer", "DecodeServer"], "pd", 120)  # every replica, each read directly
     eventually_ok(base_url)
+
+
+HANG_S = 10  # D's steps held while Serve starts the drain (below step_timeout_s: heartbeats go on, no stall)
+
+
+@pytest.mark.slow
+def test_decode_scaled_down_mid_stream_its_streams_move_with_their_kv(base_url):
+    """Last (it leaves one D): "pd" redeployed with one D replica of two while four streams run on
+    both. Serve drains one; it hands each running request (KV, tokens so far, sampler state) to the
+    other, which goes on from it: every stream completes unbroken with the fault-free text (greedy
+    and seeded), the moves are counted, no token is replayed (no migration) and no prompt token is
+    computed again, on P or D; the drained D ends, and nothing stays held. Both D's steps are held until Serve has begun the
+    drain, so that the streams are still running when it does (the drained D sees it at once, and
+    moves its requests between the held step and the next)."""
+    before = {"migrations": migrations(base_url), "moved": pd_metric(base_url, "pdserve_kv_moves", 'event="choices"')}
+    with streams_running(base_url) as (texts, fault_done):
+        on = {name: call_replica(name, "holdings")["requests"] for name in sorted(decode_replicas())}
+        assert len(on) == 2 and all(on.values()), on  # the router spreads four streams over both
+        computed = {name: call_replica(name, "stats").prompt_tokens_computed for name in on}
+        computed_on_p = work_done("PrefillServer", "pd")["prompt_tokens_computed"]
+        for name in on:
+            call_replica(name, "hang_next_step", HANG_S)
+        deploy({"pd": the_pd_app(1)}, {"pd": "/"})  # Serve stops one D: it drains
+        # In place: one D leaves Serve's names as its drain begins (it cannot be called by name any
+        # more), the other runs on; none is replaced.
+        assert wait_until(lambda: len(decode_replicas()) == 1, HANG_S, 0.2), decode_replicas()
+        (kept,) = decode_replicas() & set(on)
+        (drained,) = set(on) - {kept}
+        fault_done.set()
+        streamed = [t.result(timeout=300) for t in texts]
+        assert work_done("PrefillServer", "pd")["prompt_tokens_computed"] == computed_on_p
+        assert call_replica(kept, "stats").prompt_tokens_computed == computed[kept]
+    assert pd_metric(base_url, "pdserve_kv_moves", 'event="choices"') - before["moved"] == on[drained]
+    assert pd_metric(base_url, "pdserve_kv_moves", 'event="failed"') == 0
+    assert pd_metric(base_url, "pdserve_kv_moves", 'event="bytes"') > 0
+    assert migrations(base_url) == before["migrations"]  # moved, not replayed
+    assert streamed == reference_texts(base_url)
+    def states() -> dict[str, int]:
+        return {state: n for state, n in serve.status().applications["pd"].deployments["DecodeServer"]
+                .replica_states.items() if n}
+
+    assert wait_until(lambda: states() == {"RUNNING": 1}, REPLICA_RESTART_S, 0.5), states()  # the drained D ended
+    assert decode_replicas() == {kept}
+    assert_nothing_held(["PrefillServer", "DecodeServer"], "pd", 120)

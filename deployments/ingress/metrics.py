@@ -118,6 +118,9 @@ METRICS = (
            "that found at least one block (hits), and pulls", ("event",)),
     Metric("prefix_store_bytes", Gauge, "pdserve_prefix_store_bytes", "PD: bytes the prefix store holds (within "
            "prefix_store_mib), and those of evicted blocks a pull still reads (kept_for_pulls)", ("kind",)),
+    Metric("kv_moves", Gauge, "pdserve_kv_moves", "PD: running requests' choices moved off a draining decode "
+           "replica to another (choices), the KV bytes they carried (bytes), and moves the new replica did not take "
+           "over (failed: their tokens were replayed)", ("event",)),
     Metric("pd_prompt_tokens", Gauge, "pdserve_pd_prompt_tokens", "PD prompt tokens by who had them: decode_cache "
            "(D held their KV), decode (D computed them), prefill (P computed and sent them)", ("source",)),
 )
@@ -211,6 +214,8 @@ class IngressMetrics:
             self.kv_past_deadline.set(fetches["past_deadline"])
             for cause, count in fetches["failed"].items():
                 self.kv_failed.labels(cause).set(count)
+        for event, count in getattr(backend, "moves", {}).items():
+            self.kv_moves.labels(event).set(count)
         for source, count in getattr(backend, "prompt_tokens", {}).items():
             self.pd_prompt_tokens.labels(source).set(count)
         for name, count in (await running_replicas()).items():

@@ -12,6 +12,12 @@ replica, where Ray Serve routes it:
   stop conditions, a grammar and max_new_tokens go on where they were: no token lost, none sent
   twice. In PD it goes through P again (D's KV died with D; P's prefix cache holds the prompt).
 
+A replica that Serve drains (scale-down, redeploy) does not fail its requests: it moves them
+(``moved_leg``). Each running choice goes on on another D from its KV, tokens so far and sampler
+state (engine/running_export.py), through the KV hand-off P's KV takes: nothing is computed again.
+The leg is the resumed request token replay would send, so a move that fails (no D takes it, its
+KV fetch fails) falls back to token replay with nothing else to change.
+
 The request keeps its priority and its deadline (absolute: a migration does not reset it). After
 ``max_migrations`` the failure ends the request (a clean 503, deployments/ingress/engine_client.py
 ``client_error``); so does a replacement that does not answer before the deadline
@@ -23,8 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from deployments.failures import replica_failed
-from engine.outputs import RequestOutput
+from engine.outputs import PrefillResult, RequestOutput
 from engine.request import GenerationRequest
+from engine.running_export import MovedChoice
 from sampling.params import choice_seed
 
 
@@ -70,3 +77,16 @@ def resume_legs(request: GenerationRequest, so_far: list[ChoiceSoFar], migration
         legs.append((replace(request, request_id=f"{tag}.{c.index}", params=params, n=1,
                              resumed_output_ids=list(c.token_ids), resumed_logprob=c.logprob), c.index))
     return legs
+
+
+def moved_leg(request: GenerationRequest, choice: MovedChoice, move: int) -> tuple[GenerationRequest, PrefillResult]:
+    """The request that carries ``choice`` of ``request`` on after its ``move``-th move, and the
+    hand-off its D starts from: the resumed request of token replay (its tokens but the last as
+    resumed output, its seed), whose first token is the last one the client has, and whose KV
+    comes with the hand-off (the choice is its only one, index 0)."""
+    params = replace(request.params, seed=choice.seed, prompt_logprobs=None, return_context_logits=False)
+    leg = replace(request, request_id=f"{request.request_id}.v{move}.{choice.index}", params=params, n=1,
+                  resumed_output_ids=choice.output_ids[:-1], resumed_logprob=choice.cumulative_logprob)
+    handoff = replace(choice.handoff, request_id=leg.request_id,
+                      choices=[replace(c, index=0) for c in choice.handoff.choices])
+    return leg, handoff

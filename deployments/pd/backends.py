@@ -16,6 +16,8 @@ import asyncio
 from collections import Counter
 import functools
 from contextlib import aclosing
+from dataclasses import replace
+import logging
 from typing import AsyncIterator, Awaitable, Callable
 
 from ray.serve.handle import DeploymentHandle
@@ -23,7 +25,8 @@ from ray.serve.handle import DeploymentHandle
 from deployments.pd import routing
 from deployments.pd.decode_watch import NO_PREFILL_ANSWER, DecodeWatch
 from deployments.pd.disaggregation import NO_DECODE_REPLICA, NO_PLAN, NO_PREFILL_REPLICA, Decision, DisaggregationPolicy
-from deployments.failures import DecodeDown, KVLeaseExpired, NoDecodeReplica, NoPrefillReplica
+from deployments.failures import DecodeDown, KVLeaseExpired, NoDecodeReplica, NoPrefillReplica, ReplicaGone
+from deployments.ingress.migration import moved_leg
 from deployments.pd.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.replicas.liveness import Accepted, taken_then_watched
 from deployments.replicas.output_channels import ChannelReceiver, detached
@@ -31,6 +34,10 @@ from deployments.ingress.streams import cancel_all
 from deployments.ingress.tracing import KVTransfer, RequestTrace
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
+from engine.running_export import Moved, MovedChoice
+
+logger = logging.getLogger("ray.serve." + __name__)
+MAX_MOVES = 4  # moves of one request (a D drained while a moved request reaches it): past them, token replay
 
 
 class ColocatedBackend:
@@ -80,7 +87,14 @@ class PDBackend:
     ``DecodeDown`` (a replica failure: it moves to P); with ``degrade_to_prefill`` off, new requests
     fail at once with ``NoDecodeReplica`` (a clean 503) instead. While no P replica answers and a D
     does, D serves new requests whole (its local prefill, unpinned); a request whose P call stalls
-    migrates there; with ``degrade_to_decode`` off, ``NoPrefillReplica`` (a clean 503)."""
+    migrates there; with ``degrade_to_decode`` off, ``NoPrefillReplica`` (a clean 503).
+
+    A D replica that Serve drains moves its running requests (deployments/replicas/servers.py): a
+    request's D stream ends with a ``Moved`` (each running choice's KV, tokens so far and sampler
+    state), and each choice goes on on another D, routed as any decode (the draining one is out of
+    Serve's routing), as a resumed request whose KV comes through the KV connector (``_followed``):
+    the client's stream goes on unbroken, nothing is computed again. A move whose new D does not
+    take over (lease, KV fetch) fails as any decode does, and migration replays the tokens."""
 
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, kv_lease_s: float,
                  stall_timeout_s: float, policy: DisaggregationPolicy, kv: KVConnector | None = None,
@@ -99,6 +113,7 @@ class PDBackend:
         self.prefill_tokens_in_flight = 0  # prompt tokens this ingress has asked P to compute, not answered yet
         self.decisions: Counter[tuple[str, str]] = Counter()  # (where: decode/prefill, reason) -> requests
         self.prompt_tokens: Counter[str] = Counter()  # by who had them: decode_cache, decode, prefill
+        self.moves: Counter[str] = Counter()  # choices moved off a draining D, their KV bytes, moves that failed
 
     async def stream(self, request: GenerationRequest, trace: RequestTrace | None = None, *,
                      disaggregate: bool = False) -> AsyncIterator[list[RequestOutput]]:
@@ -143,7 +158,7 @@ class PDBackend:
                 if reply.handoff is None:
                     return
                 steps = self.decode_step(request, reply, trace, pinned)
-            async with aclosing(steps) as batches:
+            async with aclosing(self._followed(request, steps, trace)) as batches:
                 async for batch in batches:
                     yield batch
         finally:
@@ -165,8 +180,8 @@ class PDBackend:
         a ``decode_only`` decision; NoPrefillReplica instead with degradation off."""
         if not self.degrade_to_decode:
             raise NoPrefillReplica(f"{NO_PREFILL_ANSWER} and pd_degrade_to_decode is off")
-        return self._whole(self.decode_channels, ("decode_only", NO_PREFILL_REPLICA) if counted else None,
-                           request, trace)
+        return self._followed(request, self._whole(self.decode_channels, ("decode_only", NO_PREFILL_REPLICA)
+                                                   if counted else None, request, trace), trace)
 
     def _whole(self, channels: ChannelReceiver, decision: tuple[str, str] | None, request: GenerationRequest,
                trace: RequestTrace | None, pinned: str | None = None) -> AsyncIterator[list[RequestOutput]]:
@@ -210,6 +225,79 @@ class PDBackend:
         return _traced(self.decode_channels.stream(request, accept, taken), trace, decoded=True)
 
 
+    async def _followed(self, request: GenerationRequest, batches: AsyncIterator[list], trace: RequestTrace | None,
+                        moves: int = 0) -> AsyncIterator[list[RequestOutput]]:
+        """D's ``batches`` for ``request``, then, if its D moved it (the last item a ``Moved``), the
+        batches of the D replicas that took its choices over, as ``request``'s; ``moves``: its moves so far."""
+        moved = None
+        async with aclosing(batches):
+            async for batch in batches:
+                if isinstance(batch[-1], Moved):
+                    moved, batch = batch[-1], batch[:-1]
+                if batch:
+                    yield batch
+        if moved is None:
+            return
+        if moves >= MAX_MOVES:
+            raise ReplicaGone(f"request {request.request_id} was moved {moves} times; its tokens are replayed")
+        logger.info("request %s: decode replica %s drains; %d choice(s) move to another (%d KV bytes)",
+                    request.request_id, moved.replica, len(moved.choices), moved.nbytes)
+        streams = [self._moved_choice(request, choice, moves + 1, trace) for choice in moved.choices]
+        async with aclosing(_merged(streams)) as batches:
+            async for batch in batches:
+                yield batch
+
+    async def _moved_choice(self, request: GenerationRequest, choice: MovedChoice, move: int,
+                            trace: RequestTrace | None) -> AsyncIterator[list[RequestOutput]]:
+        """One moved choice on the D that takes it (``decode_step``: the KV lease, the connector), its
+        outputs as ``request``'s choice."""
+        leg, handoff = moved_leg(request, choice, move)
+        data = handoff.kv.data
+        reply = PrefillReply([], replace(handoff, kv=replace(handoff.kv, data=None)), self.kv.adopt(data))
+        self.moves["choices"] += 1
+        self.moves["bytes"] += data.nbytes
+        try:
+            async with aclosing(self._followed(leg, self.decode_step(leg, reply, trace), trace, move)) as batches:
+                async for batch in batches:
+                    yield [replace(o, request_id=request.request_id, index=choice.index) for o in batch]
+        except Exception:
+            self.moves["failed"] += 1
+            raise
+
+
+async def _merged(streams: list[AsyncIterator[list]]) -> AsyncIterator[list]:
+    """The batches of ``streams`` as they come, until all end; the first error ends the others."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as batches:
+            async for batch in batches:
+                yield batch
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[list]) -> None:
+        try:
+            async with aclosing(stream) as batches:
+                async for batch in batches:
+                    queue.put_nowait(batch)
+            queue.put_nowait(None)
+        except Exception as error:
+            queue.put_nowait(error)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        await cancel_all(tasks)
+
+
 async def _traced(batches: AsyncIterator[list], trace: RequestTrace | None, decoded: bool = False
                   ) -> AsyncIterator[list[RequestOutput]]:
     """A channel's output batches for one request; ``trace`` learns the engine's times (of a
@@ -226,7 +314,8 @@ async def _traced(batches: AsyncIterator[list], trace: RequestTrace | None, deco
             if trace:
                 record = trace.record_decode if decoded else trace.record_prefill
                 for output in batch:
-                    record(output)
+                    if not isinstance(output, Moved):  # the request goes on elsewhere (PDBackend._followed)
+                        record(output)
             yield batch
 
 

@@ -21,7 +21,7 @@ The engine's side of the hand-off (D allocates blocks before the bytes move, the
 ``RECEIVING``, ``receive_kv``, aborts free the blocks) is in engine/ and knows no transport. The
 transports: Ray's object store here (``ObjectStoreConnector``), POSIX shared memory in
 deployments/pd/kv_direct.py; an app picks one with ``kv_transport`` (``make_kv_connector``). Another
-transport implements ``KVConnector``'s four methods; the engine, the servers and the ingress stay as they are.
+transport implements ``KVConnector``'s five methods; the engine, the servers and the ingress stay as they are.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Iterator
 
 import numpy as np
+import ray
 from ray.serve.handle import DeploymentResponseGenerator
 
 from deployments.failures import KVLeaseExpired
@@ -123,6 +124,11 @@ class KVConnector(ABC):
         the ingress owns them from here."""
 
     @abstractmethod
+    def adopt(self, data: np.ndarray) -> list:
+        """The ingress: a handle it owns, as ``claim``'s, to KV bytes [L, 2, T, Hkv, D] that reached it
+        by value (a running request moved off a draining D: deployments/pd/backends.py), for ``PrefillReply.kv``."""
+
+    @abstractmethod
     def release(self, reply: PrefillReply) -> None:
         """The ingress: a D replica took the request and holds its own handle; drop ours."""
 
@@ -160,6 +166,9 @@ class ObjectStoreConnector(KVConnector):
 
         async with aclosing(watch(resolved())) as replies:
             return await anext(replies)
+
+    def adopt(self, data: np.ndarray) -> list:
+        return [ray.put(data)]  # owned by the ingress, freed with its last reference as P's item is
 
     def release(self, reply: PrefillReply) -> None:
         reply.kv.clear()

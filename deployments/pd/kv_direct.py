@@ -116,6 +116,9 @@ class SharedMemoryConnector(KVConnector):
             reply.kv = [SegmentLease(_claimed(reply.kv[0]))]
         return reply
 
+    def adopt(self, data: np.ndarray) -> list:
+        return [SegmentLease(_claimed(write_segment(data)))]  # written here, owned here: as a claimed segment
+
     def release(self, reply: PrefillReply) -> None:
         """A no-op: the ingress keeps its lease until the request is over, since a D that dies
         after taking the request but before mapping the segment would otherwise leave it behind.

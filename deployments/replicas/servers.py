@@ -14,8 +14,10 @@ ingress; ``abort`` ends one. P's ``prefill`` alone streams per request: its repl
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import aclosing
 from dataclasses import dataclass
+import logging
 import os
 from typing import Any, AsyncIterator
 
@@ -28,6 +30,8 @@ from deployments.pd.compatibility import KVDescriptor
 from deployments.pd.disaggregation import DecodeLoad
 from deployments.pd.kv_connector import KVConnector, ObjectStoreConnector, PrefillReply
 from deployments.failures import PrefixLost, ReplicaGone
+from deployments.ingress.tracing import KVTransfer
+from deployments.replicas.draining import serve_draining
 from deployments.replicas.liveness import Accepted, Heartbeat, heartbeats, replica_id
 from deployments.replicas.load_meter import LoadMeter
 from deployments.replicas.output_channels import ChannelSender
@@ -39,7 +43,10 @@ from engine.config import EngineConfig
 from engine.model_info import ModelInfo
 from engine.outputs import KVWanted, RequestOutput
 from engine.request import GenerationRequest
+from engine.running_export import Moved
 
+logger = logging.getLogger("ray.serve." + __name__)
+DRAIN_POLL_S = 0.1  # how often a D replica looks whether Serve drains it, and then moves what can move
 ROUTER = RequestRouterConfig(request_router_class=EngineRouter, request_routing_stats_period_s=STATS_PERIOD_S)
 
 
@@ -275,6 +282,7 @@ class DecodeServer(_KVServer):
         ``kv``: the app's KV connector, P's transport (the object store's by default)."""
         super().__init__(engine_config, lora_store, max_loras, heartbeat_s, step_timeout_s, kv)
         self.hold_s = hold_s
+        self._drain_watch: asyncio.Task | None = None  # started by the first request (``_watch_drain``)
 
     async def plan(self, request: GenerationRequest) -> DecodePlan:
         """How much of the request's prompt this replica's prefix cache holds, held for the
@@ -302,12 +310,48 @@ class DecodeServer(_KVServer):
         (``KVWanted``), its KVTransfer goes first (for the request's trace), then the tokens after the
         first. ``pinned``: the replica whose prefix P's KV continues."""
         _check_pinned(pinned)
-        self.channels.start(channel, request.request_id, self._decoded(request, reply))
+        self._watch_drain()
+        self.channels.start(channel, request.request_id, self._metered(self._decoded(request, reply)))
         return Accepted(replica_id())
+
+    async def submit(self, request: GenerationRequest, channel: str, pinned: str | None = None) -> Accepted:
+        """_StreamingServer's (D's local prefill, or D alone), its request moved too if Serve drains
+        this replica (``_watch_drain``)."""
+        self._watch_drain()
+        return await super().submit(request, channel, pinned)
+
+    def _watch_drain(self) -> None:
+        """Start, once, the task that moves this replica's running requests to other D replicas
+        when Serve drains it (scale-down, redeploy: deployments/replicas/draining.py): each request's
+        channel then ends with its ``Moved`` (its KV, tokens so far and sampler state) and the
+        ingress has another D go on from it (deployments/pd/backends.py). Requests that cannot move
+        yet (waiting, receiving their KV) move once they run; a beam search stays and ends here."""
+        if self._drain_watch is None:
+            self._drain_watch = asyncio.get_running_loop().create_task(self._move_out_when_drained())
+
+    async def _move_out_when_drained(self) -> None:
+        while not serve_draining():
+            await asyncio.sleep(DRAIN_POLL_S)
+        logger.info("Serve drains this replica: its running requests move to other decode replicas")
+        while True:
+            if self.engine.stats().requests:
+                self.engine.move_out()
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    async def _metered(self, batches: AsyncIterator[list]) -> AsyncIterator[list]:
+        """_StreamingServer's, for D's items: a KV fetch's record is not metered, and a request's
+        ``Moved`` (its last item) is stamped with this replica."""
+        previous = None  # when the stream sent its last batch
+        async for batch in batches:
+            if isinstance(batch[-1], Moved):
+                batch[-1].replica = replica_id()
+            outputs = [item for item in batch if not isinstance(item, (Moved, KVTransfer))]
+            if outputs:
+                previous = self.meter.sent(outputs, previous)
+            yield batch
 
     async def _decoded(self, request: GenerationRequest, reply: PrefillReply) -> AsyncIterator[list]:
         lora = await self.loras.adapter(request.lora)  # on the channel: its heartbeats cover a slow fetch
-        previous = None  # when the stream sent its last batch
         async with aclosing(self.engine.decode_batches(request, reply.handoff, lora)) as batches:
             async for batch in batches:
                 outputs = [item for item in batch if not isinstance(item, KVWanted)]
@@ -316,7 +360,6 @@ class DecodeServer(_KVServer):
                     self.engine.receive_kv(request.request_id, data)
                     yield [transfer]
                 if outputs:
-                    previous = self.meter.sent(outputs, previous)
                     yield outputs
 
     def hang_next_fetch(self, seconds: float) -> None:

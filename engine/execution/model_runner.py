@@ -397,10 +397,12 @@ class ModelRunner:
         if slots.numel():
             self.kv_cache[:, :, slots] = numpy_to_tensor(data, self.loaded.dtype).to(self.device)
 
-    def export_kv(self, seq: StepSequence, start: int = 0) -> np.ndarray:
-        """The KV of tokens [start, seq.num_tokens) as one array [L, 2, T, Hkv, D]: in PREFILL mode, the
-        prompt and a resumed request's earlier output, every one computed."""
-        slots = torch.tensor(self.blocks.slots(seq, start, seq.num_tokens), device=self.device)
+    def export_kv(self, seq: StepSequence, start: int = 0, end: int | None = None) -> np.ndarray:
+        """The KV of tokens [start, end) (end: seq.num_tokens) as one array [L, 2, T, Hkv, D]: in PREFILL
+        mode, the prompt and a resumed request's earlier output, every one computed; a decoding
+        sequence that moves (engine/running_export.py), every token but its last."""
+        end = seq.num_tokens if end is None else end
+        slots = torch.tensor(self.blocks.slots(seq, start, end), device=self.device)
         return tensor_to_numpy(self.kv_cache[:, :, slots])
 
     def import_kv(self, seq: StepSequence, first: int) -> None:
