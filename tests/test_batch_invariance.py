@@ -129,3 +129,22 @@ def test_a_prefix_hit_continues_exactly(wide_model):
     hit_tokens, hit_logits = generated(cached, "hit")
     assert cached.blocks.prefix_hits == 240  # the 15 full blocks of the first 250 tokens
     assert hit_tokens == tokens and torch.equal(hit_logits, logits)
+
+
+def test_a_gguf_kept_quantized_is_invariant_too(tmp_path):
+    """GGUF weights multiplied as stored (Q4_1 on engine/execution/quant/'s kernels): in the mode,
+    one row takes the multi-row kernel too (never the integer matrix-vector one), so a seeded
+    request's tokens and logprobs are the same alone and in a crowd."""
+    from gguf import GGMLQuantizationType
+
+    from tests.test_quant_model import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.Q4_1.gguf", GGMLQuantizationType.Q4_1)
+    llm = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", batch_invariant=True, kv_cache_memory_gb=0.05))
+    assert llm.loaded.weight_storage == "gguf:Q4_1"
+    prompts = token_prompts(4, 5, 60, seed=6)
+    alone = {}
+    for request in seeded(prompts, "r"):
+        alone.update({k: outcome(v) for k, v in llm.generate([request]).items()})
+    crowd = llm.generate(seeded(token_prompts(12, 5, 60, seed=7), "o") + seeded(prompts, "r"))
+    assert {k: outcome(crowd[k]) for k in alone} == alone
