@@ -2,7 +2,7 @@
 same model, prompts and attention backend (auto), interleaved round by round so that a burst of
 load hits both alike; the best round of each. Workloads, greedy, EOS ignored: as issue 40 measures
 them, short prompts (``short``: 32 x 128 -> 64) and long ones (``long``: 16 x 1,536 -> 64); by
-streams, as issue 57 does (``1``: 1 x 128 -> 128, ``32``: 32 x 128 -> 64, ``256``: 256 x 64 -> 32).
+streams, as issue 57 does (``1``: 1 x 128 -> 128, ``32``: 32 x 128 -> 64, ``256``: 256 x 32 -> 32).
 The model: a random one shaped like SmolLM-135M cut to 8 layers (benchmarks/engine_throughput.py),
 or ``--model`` (a model directory or a GGUF file, e.g. the shipped
 models/SmolLM2-135M-Instruct.Q4_1.gguf, its weights kept quantized). ``--gemm`` also times the
@@ -30,7 +30,7 @@ from engine.execution import fused_ops  # noqa: E402
 from engine.execution.loader import cpu_flags  # noqa: E402
 
 WORKLOADS = {"short": (32, 128, 64), "long": (16, 1536, 64),
-             "1": (1, 128, 128), "32": (32, 128, 64), "256": (256, 64, 32)}
+             "1": (1, 128, 128), "32": (32, 128, 64), "256": (256, 32, 32)}
 GEMM_ROWS = (1, 32, 256, 2048)
 
 
