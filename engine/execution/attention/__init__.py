@@ -104,11 +104,12 @@ def batch_invariant_by_default(device: torch.device, dtype: torch.dtype, quantiz
     from engine.execution import fused_ops
     from engine.execution.loader import native_bf16
 
+    if not batch_invariant_supported(device, dtype):  # first: it asks nothing of the CPU's kernels off the CPU
+        return False
     if dtype != torch.float32 and native_bf16(device):
         dot_gemm = dtype == torch.bfloat16 and fused_ops.available() and fused_ops.extension().invariant_linear_bf16_dot()
-        if quantized or not dot_gemm:
-            return False
-    return batch_invariant_supported(device, dtype)
+        return dot_gemm and not quantized
+    return True
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype,
