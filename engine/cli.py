@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--attention-backend", default="auto", help="auto, torch_sdpa or cpu_paged")
     gen.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                      help="output independent of batching and chunking (docs/sampling.md); "
-                          "default: on on the CPU, but in bf16/fp16 on AMX or AVX512-BF16 CPUs (docs/sampling.md)")
+                          "default: on on the CPU, but in fp16, and in bf16 with quantized weights, on AMX or "
+                          "AVX512-BF16 CPUs (docs/sampling.md)")
     gen.add_argument("--quantization", default=None, choices=["dequantize", "int8"],
                      help="unset: a .gguf keeps its quantized types; dequantize: every weight in --dtype; "
                           "int8: a Hugging Face checkpoint's linear weights as int8 (docs/serving.md)")

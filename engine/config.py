@@ -61,7 +61,8 @@ class EngineConfig:
         None, "each request's tokens and logprobs independent of the other requests of its steps and of its "
         "prompt's chunking, in float32, bfloat16 and float16 on the CPU (docs/sampling.md); costs some throughput. "
         "Unset: PDSERVE_BATCH_INVARIANT=1 or 0 in the replicas' environment decides, else on on the CPU, but in "
-        "bf16/fp16 on a CPU with AMX or AVX512-BF16 (attention.batch_invariant_by_default)")
+        "fp16, and in bf16 with weights kept quantized, on a CPU with AMX or AVX512-BF16 "
+        "(attention.batch_invariant_by_default)")
     enforce_eager: bool = setting(False, "CUDA with triton_paged: capture no CUDA graph (vLLM's setting of the "
                                   "same name); elsewhere every step runs eagerly")
     max_cuda_graph_batch: int = setting(256, "CUDA with triton_paged: decode steps of up to this many rows replay "

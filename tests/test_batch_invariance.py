@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from engine.config import EngineConfig
-from engine.execution import loader
+from engine.execution import fused_ops, loader
 from engine.execution.attention import batch_invariant_by_default
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
@@ -57,15 +57,22 @@ PROMPTS = token_prompts(8, 37, 301, seed=3)
 OTHERS = token_prompts(24, 5, 400, seed=4)
 
 
-@pytest.mark.parametrize("flags, bf16_default", [({"avx2", "fma"}, True), ({"avx512f", "avx512_bf16"}, False),
-                                                 ({"amx_bf16"}, False)])
-def test_the_default_by_cpu_and_dtype(wide_model, monkeypatch, flags, bf16_default):
-    """On the CPU: on in float32; in bf16 only where bf16 is not multiplied natively (there the
-    mode's float32 GEMM costs 31-62%). The environment's 1 or 0 overrides; torch_sdpa is never invariant."""
+@pytest.mark.parametrize("flags, native", [({"avx2", "fma"}, False), ({"avx512f", "avx512_bf16"}, True),
+                                           ({"amx_bf16"}, True)])
+def test_the_default_by_cpu_and_dtype(wide_model, monkeypatch, flags, native):
+    """On the CPU: on in float32; in bf16 where bf16 is not multiplied natively, and where it is,
+    when the invariant GEMM runs on the CPU's bf16 dot product (this build has it where this CPU
+    has AVX512-BF16) and the weights are in bf16, not kept quantized. fp16 on such a CPU: off. The
+    environment's 1 or 0 overrides; torch_sdpa is never invariant."""
     monkeypatch.setattr(loader, "cpu_flags", lambda: flags)
     cpu = torch.device("cpu")
+    dot_gemm = fused_ops.extension().invariant_linear_bf16_dot()
+    bf16_default = not native or dot_gemm
     assert batch_invariant_by_default(cpu, torch.float32)
+    assert batch_invariant_by_default(cpu, torch.float32, quantized=True)
     assert batch_invariant_by_default(cpu, torch.bfloat16) == bf16_default
+    assert batch_invariant_by_default(cpu, torch.bfloat16, quantized=True) == (not native)
+    assert batch_invariant_by_default(cpu, torch.float16) == (not native)
     monkeypatch.delenv("PDSERVE_BATCH_INVARIANT", raising=False)
     no_mode = dict(batch_invariant=None)  # wide_engine: bf16
     assert wide_engine(wide_model, **no_mode).runner.batch_invariant == bf16_default
@@ -75,6 +82,33 @@ def test_the_default_by_cpu_and_dtype(wide_model, monkeypatch, flags, bf16_defau
     assert not no_key_order.runner.batch_invariant
     monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", "0")
     assert not wide_engine(wide_model, **no_mode).runner.batch_invariant
+
+
+def test_a_seeded_request_is_the_same_alone_and_in_a_crowd_by_default(wide_model, monkeypatch):
+    """No mode asked for, in bf16: wherever bf16 defaults to the mode (every CPU but one that
+    multiplies bf16 natively without the dot-product GEMM built), alone equals in a crowd."""
+    monkeypatch.delenv("PDSERVE_BATCH_INVARIANT", raising=False)
+    llm = wide_engine(wide_model, batch_invariant=None)
+    if not llm.runner.batch_invariant:
+        pytest.skip("bf16 here defaults to the fastest mode (AMX/AVX512-BF16 without the dot-product GEMM)")
+    alone = {}
+    for request in seeded(PROMPTS[:3], "r"):
+        alone.update({k: outcome(v) for k, v in llm.generate([request]).items()})
+    crowd = llm.generate(seeded(OTHERS, "o") + seeded(PROMPTS[:3], "r"))
+    assert {k: outcome(crowd[k]) for k in alone} == alone
+
+
+def test_a_gguf_kept_quantized_defaults_to_the_fastest_mode_on_a_native_bf16_cpu(tmp_path, monkeypatch):
+    """Its one-row decode step keeps the integer kernel (25% of a single stream, docs/sampling.md)."""
+    from gguf import GGMLQuantizationType
+
+    from tests.test_quant_model import write_tiny_gguf
+
+    monkeypatch.delenv("PDSERVE_BATCH_INVARIANT", raising=False)
+    monkeypatch.setattr(loader, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    path = write_tiny_gguf(tmp_path / "tiny.Q4_1.gguf", GGMLQuantizationType.Q4_1)
+    llm = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", kv_cache_memory_gb=0.05))
+    assert llm.loaded.weight_storage == "gguf:Q4_1" and not llm.runner.batch_invariant
 
 
 def test_alone_together_and_in_a_crowd_are_equal(wide_model):
@@ -129,3 +163,22 @@ def test_a_prefix_hit_continues_exactly(wide_model):
     hit_tokens, hit_logits = generated(cached, "hit")
     assert cached.blocks.prefix_hits == 240  # the 15 full blocks of the first 250 tokens
     assert hit_tokens == tokens and torch.equal(hit_logits, logits)
+
+
+def test_a_gguf_kept_quantized_is_invariant_too(tmp_path):
+    """GGUF weights multiplied as stored (Q4_1 on engine/execution/quant/'s kernels): in the mode,
+    one row takes the multi-row kernel too (never the integer matrix-vector one), so a seeded
+    request's tokens and logprobs are the same alone and in a crowd."""
+    from gguf import GGMLQuantizationType
+
+    from tests.test_quant_model import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.Q4_1.gguf", GGMLQuantizationType.Q4_1)
+    llm = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", batch_invariant=True, kv_cache_memory_gb=0.05))
+    assert llm.loaded.weight_storage == "gguf:Q4_1"
+    prompts = token_prompts(4, 5, 60, seed=6)
+    alone = {}
+    for request in seeded(prompts, "r"):
+        alone.update({k: outcome(v) for k, v in llm.generate([request]).items()})
+    crowd = llm.generate(seeded(token_prompts(12, 5, 60, seed=7), "o") + seeded(prompts, "r"))
+    assert {k: outcome(crowd[k]) for k in alone} == alone

@@ -31,11 +31,18 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("fused_ops.cpp", "invariant_linear.cpp")]
 
 
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math"]
+# Builds for another ISA than this CPU's full one: "avx2" is a CPU without AVX-512 (so without
+# AVX512-BF16: invariant_linear's float32-lane path for bfloat16), for tests and benchmarks.
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
+
+
 @cache
-def extension():
-    """The compiled kernels, built on first use (a minute on 2 cores) and kept (engine/execution/extensions.py)."""
-    return build_extension("pdserve_fused_ops", SOURCES, ["-O3", "-march=native", "-ffp-contract=off",
-                                                          "-fno-trapping-math"])
+def extension(isa: str = "native"):
+    """The compiled kernels, built on first use (a minute on 2 cores) and kept (engine/execution/extensions.py);
+    ``isa`` other than "native": the same sources with ``ISA_FLAGS[isa]`` added (a separate build)."""
+    suffix = "" if isa == "native" else f"_{isa}"
+    return build_extension(f"pdserve_fused_ops{suffix}", SOURCES, CFLAGS + ISA_FLAGS[isa])
 
 
 @cache
@@ -124,7 +131,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] @ weight [N, K]^T -> [M, N], each output summed in one fixed order whatever M is
-    (csrc/invariant_linear.cpp), or None where the kernel does not run (model.tiled_linear then)."""
+    (csrc/invariant_linear.cpp: bfloat16 by vdpbf16ps where the CPU has AVX512-BF16, float32 lanes
+    otherwise), or None where the kernel does not run (model.tiled_linear then)."""
     if _on_kernel(x) and weight.dtype == x.dtype and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous():
         return extension().invariant_linear(x, weight)
     return None

@@ -123,7 +123,8 @@ class ModelRunner:
             elif choice == "1":  # wherever this engine can have it
                 self.batch_invariant = batch_invariant_supported(self.device, loaded.dtype)
             else:
-                self.batch_invariant = batch_invariant_by_default(self.device, loaded.dtype)
+                self.batch_invariant = batch_invariant_by_default(self.device, loaded.dtype,
+                                                                  quantized=":" in loaded.weight_storage)
         self.attention = select_backend(config.attention_backend, self.device, loaded.dtype, self.batch_invariant,
                                         group=spec.num_heads // spec.num_kv_heads)
         loaded.model.set_batch_invariant(self.batch_invariant)

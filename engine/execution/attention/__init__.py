@@ -93,15 +93,23 @@ def batch_invariant_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in cpu_paged.DTYPES and cpu_paged.available()
 
 
-def batch_invariant_by_default(device: torch.device, dtype: torch.dtype) -> bool:
+def batch_invariant_by_default(device: torch.device, dtype: torch.dtype, quantized: bool = False) -> bool:
     """Whether an engine asked for no mode is batch-invariant (docs/sampling.md): wherever it can be,
-    but in a 16-bit dtype on a CPU that multiplies it natively (AMX, AVX512-BF16), where the mode's
-    float32 GEMM cost 31-62% of throughput against oneDNN's bf16 kernels (benchmarks/RESULTS.md, issue 40)."""
+    but in a 16-bit dtype on a CPU that multiplies it natively (AMX, AVX512-BF16) only in bfloat16
+    with the invariant GEMM on the CPU's own dot-product instructions (csrc/invariant_linear.cpp)
+    and weights in that dtype. There the mode costs <= 6% (benchmarks/RESULTS.md, issue 57); on its
+    float32 lanes it cost 31-62% against oneDNN's bf16 kernels (issue 40), and with weights kept
+    quantized (``quantized``: a GGUF's blocks, int8) it gives up the one-row integer kernel: 25% of
+    a single stream."""
+    from engine.execution import fused_ops
     from engine.execution.loader import native_bf16
 
-    if dtype != torch.float32 and native_bf16(device):
+    if not batch_invariant_supported(device, dtype):  # first: it asks nothing of the CPU's kernels off the CPU
         return False
-    return batch_invariant_supported(device, dtype)
+    if dtype != torch.float32 and native_bf16(device):
+        dot_gemm = dtype == torch.bfloat16 and fused_ops.available() and fused_ops.extension().invariant_linear_bf16_dot()
+        return dot_gemm and not quantized
+    return True
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype,

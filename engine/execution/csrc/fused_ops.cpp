@@ -184,6 +184,7 @@ void silu_mul_(torch::Tensor gate_up) {
 }  // namespace
 
 torch::Tensor invariant_linear(const torch::Tensor& x, const torch::Tensor& weight);  // invariant_linear.cpp
+bool invariant_linear_bf16_dot();  // invariant_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Each kernel runs without the GIL, as torch's own ops do: the replica's event loop (Serve's calls,
@@ -196,4 +197,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("invariant_linear", &invariant_linear, "x @ weight^T in one fixed order per output (invariant_linear.cpp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("invariant_linear_bf16_dot", &invariant_linear_bf16_dot,
+        "whether invariant_linear multiplies bfloat16 by vdpbf16ps (an AVX512-BF16 build)");
 }

@@ -272,8 +272,31 @@ void tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t K
     for (int c = 0; c < C; ++c) out[r * ldo + c] = reduce16(V16{acc[r][c]});
 }
 
+// Q4_0 and Q4_1 by table: a block's 16 possible weights computed once, by decode's float32
+// operations in its order on q = 0..15, rounded to bfloat16 as decode's are (so the same bits),
+// then looked up by nibble (vpermw; low nibbles are k 0..15, high ones 16..31). Fewer operations
+// per weight than decoding each one, which is what one row's step spends its time on.
+template <int T>
+inline __m512i nibble_table(const uint8_t* b) {
+  const V16 q{_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)};
+  V16 w;
+  if constexpr (T == kQ4_0) w = vmul(vset(half_at(b)), vsub(q, vset(8.0f)));
+  else w = vadd(vmul(vset(half_at(b)), q), vset(half_at(b + 2)));
+  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(w.v));  // words 0..15: the table
+}
+
 template <int T>
 void decode_row(const uint8_t* row, int64_t K, c10::BFloat16* buf) {
+  if constexpr (T == kQ4_0 || T == kQ4_1) {
+    constexpr int qs_offset = T == kQ4_0 ? 2 : 4;
+    for (int64_t g = 0; g < K / 32; ++g) {
+      const uint8_t* b = row + g * Block<T>::kBytes;
+      const B16 qs = bload(b + qs_offset);
+      const __m512i nibbles = _mm512_cvtepu8_epi16(_mm256_set_m128i(bits(qs, 4, 0x0F), bits(qs, 0, 0x0F)));
+      _mm512_storeu_si512(buf + 32 * g, _mm512_permutexvar_epi16(nibbles, nibble_table<T>(b)));
+    }
+    return;
+  }
   for (int64_t g = 0; g < K / 32; ++g) {
     V16 w0, w1;
     decode32<T>(row, g, w0, w1);
