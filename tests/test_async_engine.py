@@ -1,10 +1,8 @@
 """The asyncio interface: streaming, concurrency, and aborts when a stream is left early."""
 
 import asyncio
-import threading
 
 import pytest
-import torch
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -70,43 +68,3 @@ def test_bad_request_raises_in_the_caller(async_engine):
         return [o async for o in async_engine.generate(GenerationRequest("good", [5, 6], greedy(2)))]
 
     assert asyncio.run(main())[-1].num_output_tokens == 2
-
-
-def test_the_engine_is_built_and_stepped_on_its_own_thread_with_the_threads_asked_for(monkeypatch):
-    # One thread runs every torch call, the warm-up forward too: a second thread's OpenMP pool
-    # makes libgomp's workers sleep between parallel regions (engine/async_engine.py's _run).
-    seen = []  # (thread, torch's intra-op threads there)
-
-    class Recording(LLMEngine):
-        def __init__(self, config):
-            seen.append((threading.current_thread(), torch.get_num_threads()))
-            super().__init__(config)
-
-        def step(self):
-            seen.append((threading.current_thread(), torch.get_num_threads()))
-            return super().step()
-
-    default = torch.get_num_threads()
-    asked = 1 if default != 1 else 2
-    monkeypatch.setattr("engine.async_engine.LLMEngine", Recording)
-    engine = AsyncEngine(EngineConfig(model="tiny-llama", block_size=4, torch_threads=asked))
-
-    async def run():
-        return [o async for o in engine.generate(GenerationRequest("r", [3, 4, 5], greedy(3)))]
-
-    try:
-        assert asyncio.run(run())[-1].finished
-    finally:
-        engine.shutdown()
-        torch.set_num_threads(default)
-    threads = [thread for thread, _ in seen]
-    assert len(seen) > 3 and {thread.name for thread in threads} == {"pdserve-engine"} and len(set(threads)) == 1
-    assert threads[0] is not threading.current_thread()
-    assert [count for _, count in seen[1:]] == [asked] * (len(seen) - 1)  # set by the build, kept by each step
-
-
-def test_an_engine_that_fails_to_build_raises_in_the_caller():
-    before = {thread for thread in threading.enumerate() if thread.name == "pdserve-engine"}
-    with pytest.raises(ValueError, match="no-such-model"):
-        AsyncEngine(EngineConfig(model="no-such-model"))
-    assert {thread for thread in threading.enumerate() if thread.name == "pdserve-engine"} == before
