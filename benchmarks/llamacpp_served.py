@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+import signal
 import subprocess
 import sys
 import tempfile
@@ -111,7 +112,15 @@ def in_process_single_stream(model: Path, threads: int, rounds: int) -> list[flo
     return rates[1:]
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    """``timeout`` (or flock's) ends the script with SIGTERM: exit through the ``finally`` blocks, so
+    that llama-server (a session of its own) is stopped too, not left serving the cut round's requests
+    on both cores for minutes, under the next benchmark."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = bench_parser(__doc__)
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)

@@ -126,3 +126,13 @@ def test_the_engine_settings_among_the_app_arguments_are_the_engines_own():
         AppArgs(quantization="int3")
     with pytest.raises(pydantic.ValidationError, match="prompt_lookup_max: must be >= prompt_lookup_min"):
         AppArgs(prompt_lookup_min=4, prompt_lookup_max=2)
+
+
+def test_torch_threads_is_refused_unless_a_positive_count_and_applied_when_given():
+    from deployments.config import AppArgs
+
+    assert AppArgs(torch_threads=3).engine_config().torch_threads == 3
+    assert AppArgs().engine_config().torch_threads is None  # unset: torch's own default (docs/serving.md)
+    for bad in (0, -2, "two", 1.5):
+        with pytest.raises(pydantic.ValidationError, match="torch_threads"):
+            AppArgs(torch_threads=bad)
