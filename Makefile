@@ -126,7 +126,8 @@ clean:
 # (tests/mutmut-<part>.cfg), each in a scratch copy under build/mutants/<part>, at the lowest CPU
 # priority, each bounded to MUTANTS_S seconds. A part whose config names `mutant_names` runs only those
 # mutants (globs over mutmut's names: functions of a file); the triton part is run by tests/mutmut_jit.py
-# (mutmut skips @triton.jit kernels), under Triton's interpreter.
+# (mutmut skips @triton.jit kernels), under Triton's interpreter, its sample first (`jit_sample_every`:
+# every 4th mutant of each kernel), so that a bound too short for its 641 mutants has checked the sample.
 # mutmut lives in a venv of its own that sees .venv's packages (a .pth file), so neither
 # requirements.lock nor .venv changes. Report: `make mutants-report`.
 MUTANTS       := build/mutants

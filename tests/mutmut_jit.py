@@ -11,8 +11,11 @@ Run in a copy of the tree with its part's config as setup.cfg (the Makefile's `m
 ``python tests/mutmut_jit.py run [GLOB...]`` writes ``mutants/jit-results.json`` (name -> killed, survived,
 timeout), ``report`` prints the counts and the survivors, ``show NAME`` prints a mutant as a diff.
 Keys read from setup.cfg's [mutmut]: ``jit_sources`` (one line a file: its path, then the tests that
-its mutants run, fastest first), ``pytest_add_cli_args`` (as mutmut reads it), ``max_children``. Only
-the ``@triton.jit`` kernels are mutated: their launchers are host code that mutmut itself can run.
+its mutants run, fastest first), ``pytest_add_cli_args`` (as mutmut reads it), ``max_children``,
+``jit_sample_every`` (N: the sample is every Nth mutant of each kernel, its 1st, N+1st...; 1 by default).
+The sample runs first, so a run its bound stops has checked the sample whole before the rest; the
+report counts the sample apart. Only the ``@triton.jit`` kernels are mutated: their launchers are host
+code that mutmut itself can run.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import configparser
 import difflib
 import fnmatch
 import json
+import math
 import os
 from pathlib import Path
+import resource
 import shutil
 import signal
 import sys
@@ -39,7 +44,13 @@ def config() -> dict:
     parser.read("setup.cfg")
     lines = lambda key: [x for x in parser.get("mutmut", key, fallback="").split("\n") if x]  # noqa: E731
     return {"sources": {line.split()[0]: line.split()[1:] for line in lines("jit_sources")},
-            "args": lines("pytest_add_cli_args"), "children": int(parser.get("mutmut", "max_children", fallback="2"))}
+            "args": lines("pytest_add_cli_args"), "children": int(parser.get("mutmut", "max_children", fallback="2")),
+            "sample_every": int(parser.get("mutmut", "jit_sample_every", fallback="1"))}
+
+
+def in_sample(name: str, every: int) -> bool:
+    """Whether the mutant ``<module>.<kernel>__jit_<n>`` is in the sample: n = 1, every + 1, 2 * every + 1..."""
+    return (int(name.rsplit("_", 1)[1]) - 1) % every == 0
 
 
 def _is_kernel(node) -> bool:
@@ -82,12 +93,15 @@ def mutants(path: str) -> dict[str, str]:
     return result
 
 
-def _start(worker: Path, path: str, code: str, args: list[str]) -> int:
-    """A child process in ``worker`` (a copy of the tree) with ``code`` as ``path``: pytest's exit code."""
+def _start(worker: Path, path: str, code: str, args: list[str], cpu_s: int | None = None) -> int:
+    """A child process in ``worker`` (a copy of the tree) with ``code`` as ``path``: pytest's exit code;
+    past ``cpu_s`` seconds of CPU it is killed (SIGXCPU)."""
     (worker / path).write_text(code)
     pid = os.fork()
     if pid == 0:
         try:
+            if cpu_s is not None:
+                resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
             os.chdir(worker)
             sys.path.insert(0, str(worker))
             sys.dont_write_bytecode = True  # two mutants of one size written in one second: no stale .pyc
@@ -109,6 +123,12 @@ def run(*patterns: str) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
     import triton  # noqa: F401
+    from importlib.metadata import entry_points
+    for plugin in entry_points(group="pytest11"):  # the installed plugins (dash, hypothesis, langsmith...): seconds
+        try:                                       # of imports a child would pay each; none imports this tree
+            plugin.load()
+        except Exception:
+            pass
 
     workers = [Path(f"mutants/w{i}").resolve() for i in range(cfg["children"])]
     for worker in workers:
@@ -119,16 +139,22 @@ def run(*patterns: str) -> None:
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     clean = {}
     for path in cfg["sources"]:
-        started = time.monotonic()
-        pid = _start(workers[0], path, Path(path).read_text(), args[path])
-        if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
-            sys.exit(f"the selected tests fail on the unmutated {path}: fix them first")
-        clean[path] = time.monotonic() - started
+        # Twice: the first run also builds what the tests build once (an engine's C++ kernels, into the
+        # part's empty extensions cache: minutes), which no mutant's run pays; the second is timed.
+        for _ in range(2):
+            _, status, usage = os.wait4(_start(workers[0], path, Path(path).read_text(), args[path]), 0)
+            if os.waitstatus_to_exitcode(status) != 0:
+                sys.exit(f"the selected tests fail on the unmutated {path}: fix them first")
+            clean[path] = usage.ru_utime + usage.ru_stime  # CPU seconds: what a loaded machine does not stretch
     todo = [(path, name, code) for path in cfg["sources"] for name, code in mutants(path).items()
             if (any(fnmatch.fnmatch(name, p) for p in patterns) if patterns else name not in results)]
-    print(f"{len(todo)} mutants to run; the clean runs took {', '.join(f'{t:.0f} s' for t in clean.values())}",
+    todo.sort(key=lambda item: not in_sample(item[1], cfg["sample_every"]))  # the sample first (a stable sort)
+    print(f"{len(todo)} mutants to run; the clean runs took {', '.join(f'{t:.0f} s' for t in clean.values())} of CPU",
           flush=True)
-    running: dict[int, tuple] = {}  # pid -> (worker, path, name, deadline)
+    # A mutant's bound: 3 x the clean run's CPU time + 30 s of CPU (a mutant that loops forever), and a wall
+    # clock bound 10 times that for a child that waits without computing.
+    cpu_bound = {path: math.ceil(3 * t + 30) for path, t in clean.items()}
+    running: dict[int, tuple] = {}  # pid -> (worker, path, name, wall deadline)
     free = list(workers)
 
     def stop(signum, frame):  # the part's bound (timeout's SIGTERM): no child outlives the run
@@ -140,7 +166,8 @@ def run(*patterns: str) -> None:
         while todo and free:
             path, name, code = todo.pop(0)
             worker = free.pop()
-            running[_start(worker, path, code, args[path])] = (worker, path, name, time.monotonic() + 3 * clean[path] + 30)
+            running[_start(worker, path, code, args[path], cpu_bound[path])] = (
+                worker, path, name, time.monotonic() + 10 * cpu_bound[path])
         time.sleep(0.2)
         for pid, (worker, path, name, deadline) in list(running.items()):
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -149,7 +176,9 @@ def run(*patterns: str) -> None:
             if not done:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-            verdict = "timeout" if not done else ("survived" if os.waitstatus_to_exitcode(status) == 0 else "killed")
+            exit_code = os.waitstatus_to_exitcode(status) if done else None
+            verdict = ("timeout" if exit_code in (None, -signal.SIGXCPU, -signal.SIGKILL)
+                       else "survived" if exit_code == 0 else "killed")
             results[name] = verdict
             RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True))
             print(f"{name}: {verdict}", flush=True)
@@ -163,13 +192,20 @@ def report() -> None:
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     names = [name for path in cfg["sources"] for name in mutants(path)]
     verdicts = [results.get(name, "not checked") for name in names]
-    counts = {v: verdicts.count(v) for v in ("killed", "survived", "timeout", "not checked")}
-    reached = counts["killed"] + counts["survived"] + counts["timeout"]
-    print(json.dumps({**counts, "total": len(names),
-                      "score": round(counts["killed"] / reached, 3) if reached else None}))
+    print(json.dumps(_counts(verdicts)))
+    if cfg["sample_every"] > 1:
+        sample = [v for name, v in zip(names, verdicts) if in_sample(name, cfg["sample_every"])]
+        print(f"sample (every {cfg['sample_every']}th mutant of each kernel):", json.dumps(_counts(sample)))
     for name, verdict in zip(names, verdicts):
         if verdict == "survived":
             print(f"    {name}: survived")
+
+
+def _counts(verdicts: list[str]) -> dict:
+    """The verdicts counted, and the score: killed / (killed + survived + timeout)."""
+    counts = {v: verdicts.count(v) for v in ("killed", "survived", "timeout", "not checked")}
+    reached = counts["killed"] + counts["survived"] + counts["timeout"]
+    return {**counts, "total": len(verdicts), "score": round(counts["killed"] / reached, 3) if reached else None}
 
 
 def show(name: str) -> None:
