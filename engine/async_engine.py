@@ -138,7 +138,8 @@ class _Outbox:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+        """Build the engine on its own thread (``_run``) and start its loop there; raises what
+        building raised."""
         self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Outbox] = {}
@@ -149,9 +150,15 @@ class AsyncEngine:
         self._step_started: float | None = None  # time.monotonic() when the step running now began
         self._hang_s = 0.0  # fault hook: the next step first waits this long (hang_next_step)...
         self._hang_over = threading.Event()  # ... or until this is set (end_hang)
-        self._stats = self._snapshot()
-        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        built = threading.Event()
+        failure: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(config, built, failure), name="pdserve-engine",
+                                        daemon=True)
         self._thread.start()
+        built.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
 
     # ---- the server's side -------------------------------------------------------------
 
@@ -348,6 +355,24 @@ class AsyncEngine:
             await outbox.ready.wait()
 
     # ---- the engine thread -------------------------------------------------------------
+
+    def _run(self, config: EngineConfig, built: threading.Event, failure: list[BaseException]) -> None:
+        """The engine thread: build the engine, then serve it (``_loop``). Every torch call of the
+        engine runs on this one thread, its warm-up forward too: libgomp (torch's OpenMP) keeps one
+        worker pool per thread that opens a parallel region, and once its threads outnumber the CPUs
+        (a pool of 2 built on the server's thread beside the engine thread's, on 2 cores) its workers
+        sleep on a futex at the end of each region instead of spinning to the next one, and each of a
+        decode step's regions (a GEMV each, and more) pays a wake-up (benchmarks/RESULTS.md, issue 57 session 5:
+        one stream on the engine thread 51 -> 86 tok/s in process)."""
+        try:
+            self.engine = LLMEngine(config)
+            self._stats = self._snapshot()
+        except BaseException as error:  # raised by __init__, on the caller's thread
+            failure.append(error)
+            return
+        finally:
+            built.set()
+        self._loop()
 
     def _loop(self) -> None:
         while not self._stopped:

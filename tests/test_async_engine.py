@@ -1,6 +1,7 @@
 """The asyncio interface: streaming, concurrency, and aborts when a stream is left early."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -68,3 +69,38 @@ def test_bad_request_raises_in_the_caller(async_engine):
         return [o async for o in async_engine.generate(GenerationRequest("good", [5, 6], greedy(2)))]
 
     assert asyncio.run(main())[-1].num_output_tokens == 2
+
+
+def test_the_engine_is_built_and_stepped_on_its_own_thread(monkeypatch):
+    # One thread runs every torch call, the warm-up forward too: a second thread's OpenMP pool
+    # makes libgomp's workers sleep between parallel regions (engine/async_engine.py's _run).
+    threads = []
+
+    class Recording(LLMEngine):
+        def __init__(self, config):
+            threads.append(threading.current_thread())
+            super().__init__(config)
+
+        def step(self):
+            threads.append(threading.current_thread())
+            return super().step()
+
+    monkeypatch.setattr("engine.async_engine.LLMEngine", Recording)
+    engine = AsyncEngine(EngineConfig(model="tiny-llama", block_size=4))
+
+    async def run():
+        return [o async for o in engine.generate(GenerationRequest("r", [3, 4, 5], greedy(3)))]
+
+    try:
+        assert asyncio.run(run())[-1].finished
+    finally:
+        engine.shutdown()
+    assert len(threads) > 3 and {thread.name for thread in threads} == {"pdserve-engine"}
+    assert threads[0] is not threading.current_thread() and len(set(threads)) == 1
+
+
+def test_an_engine_that_fails_to_build_raises_in_the_caller():
+    before = {thread for thread in threading.enumerate() if thread.name == "pdserve-engine"}
+    with pytest.raises(ValueError, match="no-such-model"):
+        AsyncEngine(EngineConfig(model="no-such-model"))
+    assert {thread for thread in threading.enumerate() if thread.name == "pdserve-engine"} == before
