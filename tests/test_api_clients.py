@@ -29,14 +29,9 @@ CAP = 16  # max_iter_times: keeps schemathesis' largest valid requests small
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Grüße, wie geht's?"}]
 
 
-# A Ray of its own, beside the served modules' shared one (tests/workers.py): this module's clients
-# (aiperf, schemathesis, lm-eval) are minutes of work against an app no other module uses.
-pytestmark = pytest.mark.own_ray
-
-
 @pytest.fixture(scope="module")
 def base_url():
-    with serve_session(num_cpus=8) as url:
+    with serve_session() as url:
         deploy({"pd": pd_app({"torch_threads": 1, "max_iter_times": CAP, "dtype": "float32",
                               "pd_local_prefill_tokens": 0})}, {"pd": "/"})
         yield url

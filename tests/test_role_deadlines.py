@@ -41,6 +41,9 @@ class Fake(KVConnector):
     async def claim(self, call, watch):
         raise NotImplementedError
 
+    def adopt(self, data):
+        raise NotImplementedError
+
     def release(self, reply):
         pass
 

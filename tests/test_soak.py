@@ -107,12 +107,11 @@ FAULT_EVERY_S = 20  # faults at 20 s and 40 s, before the schedule's last 10 s
 
 
 @pytest.mark.slow
-@pytest.mark.own_ray  # its minute of load and faults beside the served modules, on a Ray whose store holds its KV alone
 def test_a_one_minute_soak_with_faults_and_hostile_input_keeps_every_invariant():
     from tests.serving import serve_session
     from tools.soak import deploy, run_soak, table
 
-    with serve_session(num_cpus=8) as base_url:  # a Ray of its own (own_ray: beside the served worker)
+    with serve_session() as base_url:  # the suite's shared Ray; the app is deleted on the way out
         url = deploy(base_url, "pd")
         summary = run_soak(url, "pd", MINI_SOAK_S, FAULT_EVERY_S, seed=1, capacity_s=10, rss_every_s=20,
                            fault_kinds=["SIGSTOP PrefillServer", "SIGKILL DecodeServer"])
