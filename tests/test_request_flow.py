@@ -5,11 +5,14 @@ token) the admission ticket released once, the trace ended once, the key charged
 faults are in tests/test_faults.py; migration's decisions in tests/test_migration.py."""
 
 import asyncio
+from dataclasses import replace
 import time
 
 import pytest
 import ray
 
+from deployments.failures import ReplicaStalled
+from deployments.ingress import request_flow
 from deployments.ingress.admission import Admission
 from deployments.ingress.engine_client import ServeEngineClient
 from dialects.engine_client import Origin
@@ -83,6 +86,13 @@ async def collect(flows: Flows, requests: list[GenerationRequest], leave_after: 
             await generation.abort()  # the client went away
             break
     return seen
+
+
+def every_output(flows: Flows, requests: list[GenerationRequest]) -> list[RequestOutput]:
+    """Every output of ``requests``' generation, in order."""
+    async def run():
+        return [o async for _, o in await flows.client.generate(requests, ORIGIN)]
+    return asyncio.run(run())
 
 
 def test_outputs_come_in_order_and_a_finished_request_releases_ends_and_charges_once():
@@ -165,15 +175,51 @@ def test_a_timeout_after_the_first_token_is_the_requests_last_output():
         yield [RequestOutput(r.request_id, [], "", 1, True, TIMEOUT, seed=7)]
 
     flows = Flows(Backend(then_late))
-    generation_outputs = []
-
-    async def run():
-        generation = await flows.client.generate([request()], ORIGIN)
-        generation_outputs.extend([o async for _, o in generation])
-
-    asyncio.run(run())
+    generation_outputs = every_output(flows, [request()])
     assert [o.finish_reason for o in generation_outputs] == [None, TIMEOUT]  # the dialect answers it
     assert flows.ended == [("r", "finished")] and flows.in_flight() == (0, 0)
+
+
+def test_a_replica_that_fails_past_the_deadline_ends_the_request_as_timed_out_not_migrated():
+    """D stopped until past the deadline, then found stalled: no replacement can answer in time, so
+    the request ends as the engine ends one at its deadline (the dialect's timeout error), not as a
+    migration that fails (a 503 in the stream)."""
+    async def stalls(r: GenerationRequest):
+        yield [output(r, 1)]
+        raise ReplicaStalled("the replica serving this request gave no sign of life for 5 s")
+
+    backend = Backend(stalls)
+    flows = Flows(backend)
+    outputs = every_output(flows, [replace(request(), deadline=time.time() - 1)])
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([1], None), ([], TIMEOUT)]
+    assert [c.request_id for c in backend.calls] == ["r"]
+    assert flows.ended == [("r", "finished")] and flows.in_flight() == (0, 0)
+
+
+def test_a_request_no_engine_ends_is_timed_out_by_the_ingress_its_streams_closed(monkeypatch, caplog):
+    """Defence in depth: a backend path that waits on something that never answers. Past the
+    deadline and its grace the ingress ends the request as the engine would have: a TIMEOUT output
+    with the choice's tokens so far after the first token (a stream's timeout error event), a 408
+    before it; the backend's stream is closed (its replicas abort the request) and a warning names it."""
+    monkeypatch.setattr(request_flow, "DEADLINE_GRACE_S", 0.0)
+
+    async def never_ends(r: GenerationRequest):
+        if r.request_id == "streaming":
+            yield [output(r, 1)]
+        await asyncio.Event().wait()
+        yield []
+
+    backend = Backend(never_ends)
+    flows = Flows(backend)
+    outputs = every_output(flows, [replace(request("streaming"), deadline=time.time() + 1)])
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([1], None), ([], TIMEOUT)]
+    assert (outputs[-1].output_token_ids, outputs[-1].text, outputs[-1].seed) == ([1], "<1>", 7)
+    with pytest.raises(APIError) as raised:
+        every_output(flows, [replace(request("silent"), deadline=time.time())])
+    assert raised.value.status == 408 and raised.value.code == "timeout"
+    assert backend.closed == ["streaming", "silent"]
+    assert flows.ended == [("streaming", "finished"), ("silent", "finished")] and flows.in_flight() == (0, 0)
+    assert "request streaming: no engine ended it" in caplog.text and "request silent:" in caplog.text
 
 
 def test_an_error_before_the_first_token_is_a_4xx_and_the_other_requests_end():

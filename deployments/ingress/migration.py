@@ -21,7 +21,8 @@ KV fetch fails) falls back to token replay with nothing else to change.
 The request keeps its priority and its deadline (absolute: a migration does not reset it). After
 ``max_migrations`` the failure ends the request (a clean 503, deployments/ingress/engine_client.py
 ``client_error``); so does a replacement that does not answer before the deadline
-(``failures.LateReplacement``): never a hang.
+(``failures.LateReplacement``): never a hang. A failure once the deadline has passed is not
+migrated: the request ends with its timeout (deployments/ingress/request_flow.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class ChoiceSoFar:
     index: int
     seed: int | None  # the seed it runs with, once an output has said it
     token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # the text of token_ids the client has
     logprob: float = 0.0  # the cumulative logprob of token_ids
     started: bool = False  # a token of it reached the client
     finished: bool = False
@@ -51,6 +53,7 @@ class ChoiceSoFar:
         self.started = self.started or bool(output.new_token_ids) or output.finished
         self.finished, self.seed = output.finished, output.seed
         self.token_ids += output.new_token_ids
+        self.text += output.new_text
         self.logprob += sum(lp.logprob for lp in output.logprobs)
 
 

@@ -9,6 +9,11 @@ through migration's policy (deployments/ingress/migration.py). However the reque
 failed, cancelled because its client left), the task's end releases the ticket, ends the trace
 and charges the key, each once.
 
+The ingress owns the client's deadline: the engine ends a request at its first step past it, and a
+replica failure past it ends the request as that step would have (no migration can answer in
+time). A request that no engine has ended ``DEADLINE_GRACE_S`` after its deadline (a path that
+waits on something that never answers) is ended here the same way, its backend stream closed.
+
 ``ServeGeneration`` is dialects/engine_client.py's Generation: it reads the queue its flows deliver
 to, in arrival order. ``started`` holds the first-token rule: the generation is returned once every
 request has its first output, and an error or a deadline passed before it is an HTTP error before
@@ -24,7 +29,7 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
-from deployments.failures import DeadlineBeforeFirstToken, LateReplacement, root_cause
+from deployments.failures import DeadlineBeforeFirstToken, LateReplacement, replica_failed, root_cause
 from deployments.ingress.admission import Ticket
 from deployments.ingress.migration import ChoiceSoFar, resume_legs, resumes
 from deployments.ingress.streams import cancel_all
@@ -37,6 +42,11 @@ logger = logging.getLogger("ray.serve." + __name__)
 Start = Callable[[GenerationRequest], AsyncIterator[list[RequestOutput]]]
 Told = Callable[[BaseException], Exception]  # a failure -> the error a client is told of it (the edge's)
 ENDED = None  # a flow's last queue item
+# How long past its deadline a request may run before the ingress ends it itself. The engine ends
+# it at its first step past the deadline; a stalled replica is found within stall_timeout_s (5 s
+# by default) and the request then ends here at once. Twice that bound: the ingress steps in only
+# where nothing else will, never ahead of the engine's own ending, whose tokens it would cut.
+DEADLINE_GRACE_S = 10.0
 
 
 class RequestFlow:
@@ -60,7 +70,7 @@ class RequestFlow:
 
     async def _run(self) -> None:
         try:
-            await self._serve()
+            await self._served_by_deadline()
             self.outcome = "finished"
         except Exception as error:
             self.outcome = "error"
@@ -79,6 +89,31 @@ class RequestFlow:
         self._end(self, self.outcome)
         self._queue.put_nowait((self.index, ENDED))
 
+    async def _served_by_deadline(self) -> None:
+        """``_serve``, ended by ``_time_out`` once ``DEADLINE_GRACE_S`` past the deadline: its
+        backend streams are closed by the cancellation (their replicas abort it and free its KV)."""
+        if self.request.deadline is None:
+            return await self._serve()
+        loop = asyncio.get_running_loop()
+        watch = asyncio.timeout_at(loop.time() + self.request.deadline + DEADLINE_GRACE_S - time.time())
+        try:
+            async with watch:
+                return await self._serve()
+        except TimeoutError:
+            if not watch.expired():
+                raise
+        logger.warning("request %s: no engine ended it %g s past its deadline; the ingress ends it as timed out",
+                       self.request.request_id, DEADLINE_GRACE_S)
+        self._time_out()
+
+    def _time_out(self) -> None:
+        """End each unfinished choice as the engine does at its deadline: a TIMEOUT output with
+        no new token and the choice's tokens so far, which every dialect answers with its
+        timeout error (a 408 before the first token)."""
+        self._deliver([RequestOutput(self.request.request_id, [], "", len(c.token_ids), True, TIMEOUT, c.seed,
+                                     output_token_ids=list(c.token_ids), text=c.text, index=c.index)
+                       for c in self.so_far if not c.finished], None)
+
     async def _serve(self) -> None:
         """The request on the backend, resumed on another replica when one fails."""
         legs: list[tuple[GenerationRequest, int | None]] = [(self.request, None)]
@@ -93,6 +128,10 @@ class RequestFlow:
                     raise
                 raise LateReplacement("no replica took over this request before its timeout; retry it") from None
             except Exception as error:
+                if replica_failed(error) and self.request.deadline and time.time() >= self.request.deadline:
+                    logger.warning("request %s: a replica failed (%s) past its deadline: it ends as timed out",
+                                   self.request.request_id, type(root_cause(error)).__name__)
+                    return self._time_out()
                 if not resumes(error, migrations, self.max_migrations):
                     raise
                 migrations += 1

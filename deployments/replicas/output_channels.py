@@ -26,10 +26,14 @@ A replica ends a channel once it has carried no request for ``CHANNEL_LINGER_S``
 that Serve drains shuts down once its requests end); the ingress opens a new one for the requests
 accepted meanwhile. A channel that fails (the replica died or stalled: no item for
 ``stall_timeout_s``) fails each of its requests as a replica failure, and they migrate
-(deployments/ingress/migration.py); the replica cancels the requests of a channel whose reader left
-(a next reader of the channel learns they ended, with ``ChannelClosed``: a request accepted there
-after its ingress's reader failed moves too), and of one that no reader opened within ``ORPHAN_S``
-(its ingress died after submitting).
+(deployments/ingress/migration.py); the replica cancels the requests of a channel whose reader left,
+and of one that no reader opened within ``ORPHAN_S`` (its ingress died after submitting).
+
+A failed channel is never read again: the ingress's later requests name a channel of a new id
+(``ChannelReceiver``'s epochs). A replica that stalled goes on reading the old one until the
+ingress's cancel reaches it, and what it reads meanwhile reaches no one: a request it accepted there
+after the ingress gave the channel up (its answer was on the way) would wait for ever on a new
+reader of that id, its outputs gone. Such a request fails with ``ChannelClosed`` instead, and moves.
 """
 
 from __future__ import annotations
@@ -38,17 +42,19 @@ import asyncio
 import contextvars
 from dataclasses import dataclass, replace
 import functools
+import logging
 import uuid
 from typing import AsyncIterator, Awaitable, Callable
 
 from ray.serve import context as serve_context
 
-from deployments.failures import ChannelClosed
+from deployments.failures import ChannelClosed, root_cause
 from deployments.replicas.liveness import Accepted, taken_then_watched
 from deployments.ingress.streams import cancel_on_exit
 from engine.outputs import RequestOutput
 from engine.request import GenerationRequest
 
+logger = logging.getLogger("ray.serve." + __name__)
 CHANNEL_LINGER_S = 2.0  # a channel without requests this long ends (the replica's side)
 ORPHAN_S = 30.0  # a replica cancels the requests of a channel that no reader opened within this
 
@@ -120,8 +126,8 @@ class ChannelSender:
         """The channel's items: every request's outputs since the last one, or None after
         ``heartbeat_s`` without any (the server turns it into a Heartbeat while its engine runs).
         Ends once the channel has had no request for ``linger_s``; leaving it early (the ingress
-        closed it, or died, or found it stalled) cancels the channel's requests, unless a newer
-        reader took it over (``_reader_left``)."""
+        closed it, or died, or found it stalled) cancels the channel's requests and forgets it,
+        unless a newer reader took it over."""
         channel = self._channels.setdefault(channel_id, _Channel())
         self._readers += 1
         generation = channel.reader = self._readers
@@ -145,21 +151,8 @@ class ChannelSender:
                         return
                 yield None
         finally:
-            if channel.reader == generation:  # not taken over
-                self._reader_left(channel_id, channel)
-
-    def _reader_left(self, channel_id: str, channel: _Channel) -> None:
-        """End the channel's requests. Each gets an ``Ended(ChannelClosed)`` that a next reader of
-        the channel delivers: its ingress may have accepted it after this reader failed (a stall
-        seen there, the replica alive), and reads it on a new reader; kept until ``orphan_s``."""
-        channel.reader = 0
-        for request_id in list(channel.tasks):
-            self._end(channel, request_id)
-            channel.put(request_id, [Ended(ChannelClosed("the channel this request's outputs went on closed"))])
-        if channel.pending:
-            asyncio.get_running_loop().call_later(self.orphan_s, self._drop_orphan, channel_id, channel)
-        else:
-            self._close(channel_id, channel)
+            if channel.reader == generation:  # not taken over: no reader of this id comes again
+                self._close(channel_id, channel)
 
     def _drop_orphan(self, channel_id: str, channel: _Channel) -> None:
         if not channel.reader:
@@ -189,13 +182,15 @@ class ChannelReceiver:
 
     def __init__(self, handle, stall_timeout_s: float) -> None:
         """``handle``: the engine deployment's DeploymentHandle."""
-        self.channel_id = uuid.uuid4().hex
+        self._channel_prefix = uuid.uuid4().hex  # this ingress's channels are named "<prefix>.<epoch>"
+        self._epoch = 0  # the channel new requests name; a new one once a reader of this one fails
+        self._failed: dict[str, int] = {}  # replica id -> the latest epoch whose channel there failed
         self.stall_timeout_s = stall_timeout_s
         self.submit = handle.options(_by_reference=False).submit  # the default accepting call (``stream``)
         self._open = handle.options(stream=True, _by_reference=False).channel
         self._abort = handle.options(_by_reference=False).abort
         self._inboxes: dict[str, _Inbox] = {}  # request id -> its outputs, as the readers deliver them
-        self._readers: dict[str, _Reader] = {}  # replica id -> the task reading its channel
+        self._readers: dict[tuple[str, int], _Reader] = {}  # (replica id, epoch) -> the task reading that channel
 
     async def stream(self, request: GenerationRequest, accept: Callable[[str], Awaitable[Accepted]] | None = None,
                      taken: Callable[[Awaitable[Accepted]], Awaitable[Accepted]] | None = None
@@ -206,15 +201,20 @@ class ChannelReceiver:
         request with its outputs on this channel, and answers its ``Accepted`` (default: ``submit``,
         routed); ``taken(answer)``: waits for that answer (default: for as long as it takes; D's KV
         lease bounds it, deployments/pd/backends.py). Leaving early, or an answer past ``taken``'s
-        bound, aborts the request once its replica has accepted it."""
+        bound, aborts the request once its replica has accepted it. ChannelClosed (a replica
+        failure) when the channel it was accepted on failed before the request was read there: what
+        the replica sent on it since may be lost (the module's docstring)."""
         inbox = self._inboxes[request.request_id] = _Inbox()
         accept = accept or functools.partial(self.submit.remote, request)
-        submitted = asyncio.ensure_future(detached(accept, self.channel_id))
+        epoch = self._epoch
+        submitted = asyncio.ensure_future(detached(accept, self._channel_id(epoch)))
         reader, ended = None, False
         try:
             answer = asyncio.shield(submitted)
             accepted: Accepted = await (answer if taken is None else taken(answer))
-            reader = self._reader(accepted.replica)
+            if self._failed.get(accepted.replica, -1) >= epoch:
+                raise ChannelClosed("the channel this request was accepted on failed before it was read")
+            reader = self._reader(accepted.replica, epoch)
             reader.requests.add(request.request_id)
             while not ended:
                 batch, error = [], None
@@ -232,28 +232,33 @@ class ChannelReceiver:
             if reader is not None:
                 reader.requests.discard(request.request_id)
             if not ended:
-                self._abort_when_accepted(submitted, request.request_id)
+                self._abort_when_accepted(submitted, request.request_id, epoch)
 
-    def _abort_when_accepted(self, submitted: asyncio.Future, request_id: str) -> None:
-        """Abort a request whose reader left, once its replica has accepted it (at once if it has)."""
+    def _channel_id(self, epoch: int) -> str:
+        return f"{self._channel_prefix}.{epoch}"
+
+    def _abort_when_accepted(self, submitted: asyncio.Future, request_id: str, epoch: int) -> None:
+        """Abort a request whose reader left, once its replica has accepted it (at once if it has),
+        on the channel of ``epoch``, the one it was submitted to."""
         def abort(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is None:
-                detached(self._abort.remote, self.channel_id, request_id, pinned=done.result().replica)
+                detached(self._abort.remote, self._channel_id(epoch), request_id, pinned=done.result().replica)
 
         submitted.add_done_callback(abort)
 
-    def _reader(self, replica: str) -> _Reader:
-        reader = self._readers.get(replica)
+    def _reader(self, replica: str, epoch: int) -> _Reader:
+        reader = self._readers.get((replica, epoch))
         if reader is None:
-            reader = self._readers[replica] = _Reader(replica)
+            reader = self._readers[replica, epoch] = _Reader(replica, epoch)
             # Not a child of the request that opens it (Serve cancels those with their parent).
             reader.task = asyncio.create_task(self._read(reader), context=contextvars.Context())
         return reader
 
     async def _read(self, reader: _Reader) -> None:
         """Deliver a replica's channel to its requests' inboxes until it ends; if it fails, fail
-        them; if the replica ended it while requests were accepted there, open it again for them."""
-        call = self._open.remote(self.channel_id, pinned=reader.replica)
+        them, and name a new channel for later requests; if the replica ended it while requests were
+        accepted there, open it again for them."""
+        call = self._open.remote(self._channel_id(reader.epoch), pinned=reader.replica)
         try:
             async for item in taken_then_watched(cancel_on_exit(call), self.stall_timeout_s, lambda: reader.replica):
                 for request_id, outputs in item.items():
@@ -265,12 +270,17 @@ class ChannelReceiver:
             raise
         except Exception as error:
             reader.error = error
+            logger.warning("the channel to replica %s failed (%s): its %d request(s) move, and so do those it "
+                           "takes until the failure reaches it", reader.replica, type(root_cause(error)).__name__,
+                           len(reader.requests))
         finally:
             reader.ended = True
-            if self._readers.get(reader.replica) is reader:
-                del self._readers[reader.replica]
-            if reader.error is None and reader.requests:
-                reader.moved_to = self._reader(reader.replica)
+            del self._readers[reader.replica, reader.epoch]
+            if reader.error is not None:
+                self._failed[reader.replica] = max(self._failed.get(reader.replica, -1), reader.epoch)
+                self._epoch = max(self._epoch, reader.epoch + 1)
+            elif reader.requests:
+                reader.moved_to = self._reader(reader.replica, reader.epoch)
                 reader.moved_to.requests |= reader.requests
             for request_id in reader.requests:
                 if (inbox := self._inboxes.get(request_id)) is not None:
@@ -295,8 +305,8 @@ def detached(call, *args, **kwargs):
 class _Reader:
     """The ingress's reading of one replica's channel."""
 
-    def __init__(self, replica: str) -> None:
-        self.replica = replica
+    def __init__(self, replica: str, epoch: int) -> None:
+        self.replica, self.epoch = replica, epoch  # the channel it reads: ChannelReceiver's epochs
         self.task: asyncio.Task | None = None  # held here: the event loop keeps only a weak reference
         self.requests: set[str] = set()  # ids of the requests accepted there and still read
         self.ended = False
