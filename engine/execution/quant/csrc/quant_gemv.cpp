@@ -22,7 +22,7 @@
 // Memory: each weight byte is read once per call, four rows at a time sharing each load of q;
 // threads split the output rows (one at::parallel_for over all segments), never K.
 
-#include <torch/extension.h>
+#include <torch/types.h>  // ATen's tensors only: torch/extension.h (all of torch's C++ API) took ~1.8x the compile
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -18,7 +18,8 @@
 // Memory: W is read once per call, each block decoded once per tile of kTileRows rows of x (the
 // tile's partial sums stay in registers); x's rows are float32 and sit in L1/L2 for decode steps.
 
-#include <torch/extension.h>
+#include <torch/types.h>  // ATen's tensors only: torch/extension.h (all of torch's C++ API) took ~1.8x the compile
+#include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor's type caster
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
