@@ -65,6 +65,8 @@ logger = logging.getLogger(__name__)
 # proxy), a row's own checks ~1 µs more per row than the arrays'; the two meet near 16 rows
 # (docs/architecture.md, the persistent batch).
 ARRAY_STOPS_MIN_ROWS = 16
+# A decode step's verdict per row by its stop code: none, EOS, a stop id, a length cap, decided row by row.
+VERDICTS = np.array([None, EOS, STOP, LENGTH, UNDECIDED], dtype=object)
 
 
 class LLMEngine:
@@ -104,6 +106,9 @@ class LLMEngine:
                                         self.output_processor.capped_tokens)
         self._kv_namespace = f"{self.loaded.model_id}:{self.dtype}".encode()
         self._seqs: dict[tuple[str, int], Sequence] = {}  # every running sequence, by (request id, choice index)
+        # The keys of those whose decode-like step takes the per-row path whatever their columns: PREFILL's
+        # (the step hands over to D) and those with choices still to fork. Mostly none: no look per row then.
+        self._apart: set[tuple[str, int]] = set()
         self._arrivals = itertools.count()
         self._kv_wanted: list[str] = []  # requests admitted into RECEIVING since last asked (take_kv_wanted)
         logger.info("engine ready: model %s, dtype %s (asked: %s), %d KV blocks of %d tokens, prefix caching %s, "
@@ -279,8 +284,9 @@ class LLMEngine:
         """Whether a decode step's rows all sample and stop from their persistent-batch columns
         alone: no processor, grammar, beam or generation logits, no choice left to fork, and not
         PREFILL (a resumed request's context can end in one decode-like token: it hands over)."""
-        return bool(self.rows.plain[batch.slots].all()) and not any(
-            seq.pending_choices or seq.mode is Mode.PREFILL for seq, _ in batch.entries)
+        apart = self._apart
+        return bool(self.rows.plain[batch.slots].all()) and not (apart and any(
+            (seq.request_id, seq.index) in apart for seq, _ in batch.entries))
 
     def _postprocess_decode(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """The outputs of a step from the columns: the sampled tokens appended and EOS, stop ids and
@@ -292,11 +298,10 @@ class LLMEngine:
         tokens = np.asarray(sampled.token_ids, dtype=np.int64)
         self.rows.append_tokens(slots, tokens)
         eos, stop, length = self.rows.stops(slots, tokens, self.max_model_len, self.config.max_iter_times)
-        codes = np.where(eos, 1, np.where(stop, 2, np.where(length, 3, 0)))  # finish_reason's order
-        # A row with stop ids the columns do not hold decides its end row by row (UNDECIDED).
-        verdicts = [UNDECIDED if own else (None, EOS, STOP, LENGTH)[code]
-                    for code, own in zip(codes.tolist(), self.rows.stops_per_row[slots].tolist())]
-        return self.output_processor.append_decoded(seqs, sampled, verdicts)
+        # finish_reason's order; a row with stop ids the columns do not hold decides its end row by row.
+        codes = np.where(self.rows.stops_per_row[slots], 4,
+                         np.where(eos, 1, np.where(stop, 2, np.where(length, 3, 0))))
+        return self.output_processor.append_decoded(seqs, sampled, VERDICTS[codes].tolist())
 
     def _sampled_choices(self, seq: Sequence) -> list[PendingChoice]:
         """The choices whose next token this sequence's last logits give: its own, and at the
@@ -347,6 +352,7 @@ class LLMEngine:
         """The prompt is computed: start the request's other choices, sharing its blocks. Their
         first tokens are ``sampled`` (GENERATE) or came from P (DECODE)."""
         choices, seq.pending_choices = seq.pending_choices, []
+        self._apart.discard(seq.key)  # never PREFILL: its prompt's end hands over instead
         outputs = []
         beams = self.beam_search.searching(seq.request_id)
         for choice, token in itertools.zip_longest(choices, sampled):
@@ -365,6 +371,8 @@ class LLMEngine:
 
     def _register(self, seq: Sequence) -> None:
         self._seqs[seq.key] = seq
+        if seq.mode is Mode.PREFILL or seq.pending_choices:
+            self._apart.add(seq.key)
 
     def _end(self, seq: Sequence, reason: str, error: str | None = None) -> list[RequestOutput]:
         """End ``seq`` where it stands (abort, timeout, unservable); a beam ends its whole search."""
@@ -381,6 +389,7 @@ class LLMEngine:
         seq.pending_choices = []
         self.scheduler.remove(seq)
         del self._seqs[seq.key]
+        self._apart.discard(seq.key)
         self.output_processor.forget(seq)
         if seq.request_id in self.holds and not self._choices(seq.request_id):
             self.holds.drop(seq.request_id)

@@ -142,12 +142,21 @@ class OutputProcessor:
                 key = seq.request_id, seq.index
                 base = bases.get(key)
                 if base is not None:  # the step's common row: past its first output, no logprobs, not ending
-                    seq.token_ids.append(token)
+                    token_ids = seq.token_ids
+                    token_ids.append(token)
                     text, stopped = detokenizers[key].add(token)
                     if stopped:
                         outputs += self.finish(seq, STOP, [token], text)
-                    else:
-                        outputs.append(self._next_output(seq, base, token, text))
+                        continue
+                    # ``_output``'s fields, set without its checks: ``base`` holds those of a running
+                    # output past its first (not finished, no prompt rows), a row without logprobs has
+                    # no cumulative one, and a decode step returns no logits.
+                    values = base.copy()
+                    values["new_token_ids"] = [token]
+                    values["new_text"] = text
+                    values["num_output_tokens"] = len(token_ids) - seq.num_prompt_tokens
+                    values["logprobs"] = []
+                    outputs.append(new_output(values))
                     continue
             chosen = TokenLogprob(token, logprob, top) if logprob is not None else None
             if verdict is UNDECIDED:
@@ -231,31 +240,14 @@ class OutputProcessor:
                              scheduled_time=seq.scheduled_time, error=error,
                              output_token_ids=tokens, text=text, index=choice.index)
 
-    @staticmethod
-    def _next_output(seq: Sequence, base: dict, token: int, text: str) -> RequestOutput:
-        """``_output`` of a running sequence's token after its first output, without logprobs or
-        logits (``base``: its ``output_bases`` entry): the same fields, set without its checks."""
-        values = base.copy()
-        values["new_token_ids"] = [token]
-        values["new_text"] = text
-        values["num_output_tokens"] = num_output = len(seq.token_ids) - seq.num_prompt_tokens
-        values["finished"] = False
-        values["finish_reason"] = None
-        values["logprobs"] = []
-        if seq.params.logprobs is not None:
-            values["cumulative_logprob"] = seq.cumulative_logprob
-        if num_output == 1:  # the first token's output (never made here in practice: it sets the base)
-            values["prompt_logprobs"] = seq.prompt_logprobs
-            values["context_logits"] = context_logits(seq)
-        return new_output(values)
-
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob],
                 finished: bool, logits: np.ndarray | None = None) -> RequestOutput:
         num_output = seq.num_output_tokens
         base = self.output_bases.get(seq.key)
         if base is None:
             base = output_base(request_id=seq.request_id, seed=seq.seed, first_token_time=seq.first_token_time,
-                               arrival_time=seq.arrival_time, scheduled_time=seq.scheduled_time, index=seq.index)
+                               arrival_time=seq.arrival_time, scheduled_time=seq.scheduled_time, index=seq.index,
+                               finished=False, finish_reason=None)
             if seq.first_token_time is not None and seq.scheduled_time is not None:  # set once, never changed
                 self.output_bases[seq.key] = base
         values = base.copy()

@@ -41,6 +41,7 @@ Policy:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import bisect
 import heapq
 from itertools import chain
 import time
@@ -85,6 +86,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._waiting: list[tuple[tuple[bool, int, int, int], Sequence]] = []  # heap by order_key
         self.running: list[Sequence] = []
+        # ``running`` in service order (``Sequence.order_key``), kept at each join and leave so that
+        # a step needs no sort of its rows: the keys, and the sequences at the same places.
+        self._order_keys: list[tuple[bool, int, int, int]] = []
+        self._ordered: list[Sequence] = []
         self.receiving: list[Sequence] = []  # blocks held, KV bytes not here yet
         # KV here: they join the running batch at the next step (a background one at the first it may run in)
         self._arrived: list[Sequence] = []
@@ -120,10 +125,12 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and give back its blocks (finish, abort, expiry)."""
         self.rows.leave(seq)
-        for queue in (self.running, self.receiving, self._arrived):
-            if seq in queue:
-                queue.remove(seq)
-                break
+        if seq in self.running:
+            self._stop_running(seq)
+        elif seq in self.receiving:
+            self.receiving.remove(seq)
+        elif seq in self._arrived:
+            self._arrived.remove(seq)
         else:
             self._waiting = [item for item in self._waiting if item[1] is not seq]
             heapq.heapify(self._waiting)
@@ -146,7 +153,20 @@ class Scheduler:
     def _run(self, seq: Sequence) -> None:
         """``seq`` joins the running batch (and the persistent batch's rows)."""
         self.running.append(seq)
+        key = seq.order_key
+        at = bisect.bisect(self._order_keys, key)
+        self._order_keys.insert(at, key)
+        self._ordered.insert(at, seq)
         self.rows.join(seq)
+
+    def _stop_running(self, seq: Sequence) -> None:
+        """``seq`` leaves ``running`` (its row is the caller's)."""
+        self.running.remove(seq)
+        at = bisect.bisect_left(self._order_keys, seq.order_key)
+        if at == len(self._ordered) or self._ordered[at] is not seq:  # a key shared with another: by identity
+            at = next(i for i, s in enumerate(self._ordered) if s is seq)
+        del self._order_keys[at]
+        del self._ordered[at]
 
     def commit(self, batch: ScheduledBatch, rejected: list[int] | None = None) -> None:
         """The forward ran: the scheduled tokens are computed, less each entry's ``rejected``
@@ -187,7 +207,7 @@ class Scheduler:
         rest = batch.entries[decodes:]  # the leading ``decodes`` entries are one decode token each
         batch.drafted = [0] * decodes + [max(0, seq.num_computed_tokens + n - seq.num_tokens) for seq, n in rest]
         batch.sampling = [True] * decodes + [seq.num_computed_tokens + n >= seq.num_tokens for seq, n in rest]
-        self._mark_decode(batch)
+        self._mark_decode(batch, decodes)
         return batch
 
     def _step_bound(self) -> Rank:
@@ -201,8 +221,8 @@ class Scheduler:
         """The running sequences' tokens, in order (those ranked at or past ``bound`` held), and waiting
         requests of higher rank admitted before the first they outrank: (the budget left, how many
         leading entries are one decode token)."""
-        runnable = self.running if bound == EVERY_RANK else [s for s in self.running if s.rank < bound]
-        ordered = sorted(runnable, key=lambda s: s.order_key)
+        # A copy: preempting a row below takes it out of ``_ordered``.
+        ordered = list(self._ordered) if bound == EVERY_RANK else [s for s in self._ordered if s.rank < bound]
         slots = self._all_decode(ordered, budget)
         if slots is not None:
             return self._schedule_decodes(batch, budget, ordered, slots)
@@ -232,7 +252,7 @@ class Scheduler:
         one token, admitting nothing between them); else None."""
         if not ordered or len(ordered) > budget:
             return None
-        if self._waiting and self._waiting[0][1].rank < max(seq.rank for seq in ordered):
+        if self._waiting and self._waiting[0][1].rank < ordered[-1].rank:  # ordered by rank first: the last is the lowest
             return None
         if any(seq.step_drafts is not None and seq.step_drafts.token_ids for seq in ordered):
             return None
@@ -244,16 +264,28 @@ class Scheduler:
                           slots: np.ndarray) -> tuple[int, int]:
         """One token for each of ``ordered`` (slots [R]): block coverage decided for the whole batch
         from the persistent batch's tables, a block found (or room made) only for the rows that need one."""
-        rows = self.rows
-        covered = self.blocks.covered(rows.tables[slots], rows.table_len[slots], rows.num_computed[slots] + 1)
-        first = len(batch.entries)
+        rows, blocks = self.rows, self.blocks
+        lengths = rows.table_len[slots]
+        # The tables as wide as the longest in use (a copy of [R, max_model_len / block_size] costs more than the rest)
+        tables = rows.tables[slots, :max(1, int(lengths.max()))]
+        covered = blocks.covered(tables, lengths, rows.num_computed[slots] + 1)
+        short = np.flatnonzero(~covered)
+        if len(short) <= blocks.num_free:  # one block each (a new one, or a shared tail's copy): nobody preempted
+            grown = [ordered[i] for i in short.tolist()]
+            for seq in grown:  # in order, as the loop below takes them
+                batch.block_copies += blocks.allocate(seq, seq.num_computed_tokens + 1)
+            rows.write_grown(slots[short], rows.num_computed[slots[short]] // blocks.block_size, grown)
+            batch.entries += [(seq, 1) for seq in ordered]
+            batch.slots = slots
+            return budget - len(ordered), len(ordered)
+        kept = []
         for seq, covers in zip(ordered, covered.tolist()):
-            if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier row's block
-                continue
-            if covers or self._grow(seq, 1, batch):
+            # A row preempted for an earlier row's block is out; a row whose own growth preempted it too.
+            kept.append(seq.status is SequenceStatus.RUNNING and (covers or self._grow(seq, 1, batch)))
+            if kept[-1]:
                 batch.entries.append((seq, 1))
-        decodes = len(batch.entries) - first
-        return budget - decodes, decodes
+        batch.slots = slots[np.array(kept, dtype=bool)]
+        return budget - len(batch.slots), len(batch.slots)
 
     def _grow(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for ``seq``'s next n tokens, preempting for them; False if ``seq`` itself was preempted."""
@@ -263,16 +295,18 @@ class Scheduler:
         self.rows.write_blocks(seq)
         return True
 
-    def _mark_decode(self, batch: ScheduledBatch) -> None:
-        """The entries' row slots, and whether every entry is one decode token (from the columns)."""
-        entries = batch.entries
-        batch.slots = np.fromiter((seq.row for seq, _ in entries), dtype=np.int64, count=len(entries))
-        if not entries:
+    def _mark_decode(self, batch: ScheduledBatch, decodes: int) -> None:
+        """The entries' row slots (``batch.slots`` holds the leading ``decodes``' already), and whether
+        every entry is one decode token (from the columns)."""
+        rest = batch.entries[decodes:]
+        if rest:
+            tail = np.fromiter((seq.row for seq, _ in rest), dtype=np.int64, count=len(rest))
+            batch.slots = np.concatenate([batch.slots[:decodes], tail])
+        if not batch.entries or any(n != 1 for _, n in rest):
             return
-        one = np.fromiter((n for _, n in entries), dtype=np.int64, count=len(entries)) == 1
-        rows = self.rows
-        batch.decode_only = bool((one & (rows.num_computed[batch.slots] >= rows.num_prompt[batch.slots])
-                                  & (rows.num_computed[batch.slots] + 1 == rows.num_tokens[batch.slots])).all())
+        rows, slots = self.rows, batch.slots
+        batch.decode_only = bool(((rows.num_computed[slots] >= rows.num_prompt[slots])
+                                  & (rows.num_computed[slots] + 1 == rows.num_tokens[slots])).all())
 
     def _admit(self, batch: ScheduledBatch, budget: int, below: Rank, fetch_held: bool = False) -> int:
         """Admit waiting requests ranked under ``below`` in order; the budget left. ``fetch_held``: one
@@ -365,7 +399,7 @@ class Scheduler:
         if seq in self._arrived:  # held with its KV here: not in the running batch's rows
             self._arrived.remove(seq)
         else:
-            self.running.remove(seq)
+            self._stop_running(seq)
             self.rows.leave(seq)
         self.blocks.free(seq)
         # A sequence whose KV just arrived keeps it in pending_kv and imports it on readmission.

@@ -129,6 +129,7 @@ class SamplingBatch:
             return torch.from_numpy(values).to(device)
 
         empty = torch.zeros(0, dtype=torch.int64, device=device)
+        max_logprobs = int(logprobs.max()) if len(logprobs) and logprobs.max() >= 0 else None
         return cls(
             rows=[],
             greedy_rows=tensor(np.flatnonzero(greedy)),
@@ -143,8 +144,8 @@ class SamplingBatch:
             seed_lo=tensor(columns.seed_lo),
             seed_hi=tensor(columns.seed_hi),
             step=tensor(columns.step),
-            max_logprobs=int(logprobs.max()) if len(logprobs) and logprobs.max() >= 0 else None,
-            top_n=[n if n >= 0 else None for n in logprobs.tolist()],
+            max_logprobs=max_logprobs,
+            top_n=[None] * len(logprobs) if max_logprobs is None else [n if n >= 0 else None for n in logprobs.tolist()],
             has_processors=False,
             grammar_rows=empty,
             token_bitmask=None,

@@ -117,6 +117,8 @@ def test_arrays_equal_a_rebuild_after_random_changes(seed):
             child.token_ids.append(rng.randrange(3, 50))
             rows.write_token(child)
         assert_matches_rebuild(rows, scheduler.running)
+        # The service order the scheduler keeps at each join and leave: the running rows, sorted.
+        assert scheduler._ordered == sorted(scheduler.running, key=lambda s: s.order_key)
     assert rows.capacity > 2
     assert fast_steps >= 3, "the random changes were meant to reach steps of decodes only"
 

@@ -259,7 +259,9 @@ class ModelRunner:
             seqs = [AttentionSeq(i, 1, p, table[:length])
                     for i, (p, table, length) in enumerate(zip(positions.tolist(), tables.tolist(), lengths))]
             attn = self.attention.prepare(slot_mapping, seqs, self.windows, block_size, self.device)
-        hidden = self.loaded.model(ids, positions_t, attn, self.kv_cache, None, self._lora_step(batch, n))  # [n, H]
+        # The adapters' per-row look only where the lora column names one (most steps: none).
+        lora = self._lora_step(batch, n) if bool((self.rows.lora[slots] >= 0).any()) else None
+        hidden = self.loaded.model(ids, positions_t, attn, self.kv_cache, None, lora)  # [n, H]
         return self._sample_step(self.loaded.model.compute_logits(hidden), rows, [], [], slots)
 
     @staticmethod

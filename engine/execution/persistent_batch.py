@@ -138,6 +138,12 @@ class PersistentBatch:
         table[n:self.table_len[seq.row]] = 0
         self.table_len[seq.row] = n
 
+    def write_grown(self, slots: np.ndarray, index: np.ndarray, seqs: list[RowSequence]) -> None:
+        """``write_blocks`` for rows ``slots`` [G] (``seqs``) that each changed one entry of their block
+        table, ``index`` [G] (a block appended, or a shared tail copied on write): one write for them all."""
+        self.tables[slots, index] = [seq.block_table[i] for seq, i in zip(seqs, index.tolist())]
+        self.table_len[slots] = [len(seq.block_table) for seq in seqs]
+
     def write_token(self, seq: RowSequence) -> None:
         """A token was appended to ``seq`` (one path per row: beams, forks, drafts)."""
         if seq.row != NO_ROW:
