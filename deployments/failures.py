@@ -29,6 +29,11 @@ class ChannelClosed(Exception):
     """The ingress closed the channel a request's outputs came on (deployments/replicas/output_channels.py)."""
 
 
+class ChannelFailed(Exception):
+    """The call carrying a replica's channel failed in transport (deployments/replicas/output_channels.py):
+    its requests' outputs cannot be read there, so they move."""
+
+
 class DecodeDown(Exception):
     """A request waited for a D replica to take its KV while none could answer
     (deployments/pd/decode_watch.py): it moves, to P alone when degradation is on."""
@@ -70,7 +75,7 @@ class RateCounterDown(Exception):
 # What Ray and Serve raise when a replica died, is unreachable or lost an object; and a replica
 # that did not take its KV in time or stalled mid-stream, which the ingress treats the same way.
 REPLICA_FAILURES = (RayError, RayServeException, KVLeaseExpired, ReplicaStalled, ReplicaGone, DecodeDown,
-                    ChannelClosed)
+                    ChannelClosed, ChannelFailed)
 REPLICA_RETRY_AFTER_S = 1  # Retry-After of a 503 when a replica failed: Serve routes around it, or restarts it
 
 

@@ -16,6 +16,7 @@ import asyncio
 import httpx
 import pytest
 
+from deployments.failures import ChannelFailed, replica_failed
 from deployments.replicas.liveness import Accepted, Heartbeat
 from deployments.replicas.output_channels import ChannelReceiver, ChannelSender, Ended
 from engine.llm_engine import LLMEngine
@@ -275,6 +276,39 @@ def test_an_answer_past_the_callers_bound_fails_the_stream_and_the_request_is_ab
     closed, started = run(scenario())
     assert started == ["k"] and closed == ["k"]  # taken after the bound, then aborted
 
+
+
+def test_a_channel_call_that_fails_in_transport_fails_its_requests_as_a_replica_failure():
+    """An error of the channel's call itself (here what gRPC raises for an item past Serve's replica
+    message limit) is no request's own error: each request on the channel fails as a replica failure,
+    which migration moves (deployments/failures.py), never as that error (a 500)."""
+    class TransportError(Exception):  # not a Ray error: what grpc.aio raises, RESOURCE_EXHAUSTED
+        pass
+
+    async def scenario():
+        streams = FakeStreams()
+        sender = ChannelSender(streams.close)
+        loopback = Loopback(sender, streams)
+
+        async def items_then_failure(channel: str):
+            async for item in loopback._items(channel):
+                if isinstance(item, dict):
+                    raise TransportError("received message larger than max")
+                yield item
+        loopback.channel = Method(lambda channel, pinned: Call(items_then_failure(channel)))
+        receiver = ChannelReceiver(loopback, stall_timeout_s=5)
+        stream = receiver.stream(request_of("m"))
+        first = asyncio.ensure_future(anext(stream))
+        while "m" not in streams.queues:
+            await asyncio.sleep(0.01)
+        await streams.queues["m"].put(["m1"])
+        with pytest.raises(Exception) as failure:
+            await first
+        return failure.value
+
+    error = run(scenario())
+    assert isinstance(error, ChannelFailed) and "TransportError" in str(error)
+    assert replica_failed(error)
 
 # ---- served ----------------------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from ray.serve import context as serve_context
 
-from deployments.failures import ChannelClosed, root_cause
+from deployments.failures import ChannelClosed, ChannelFailed, replica_failed, root_cause
 from deployments.replicas.liveness import Accepted, taken_then_watched
 from deployments.ingress.streams import cancel_on_exit
 from engine.outputs import RequestOutput
@@ -269,10 +269,14 @@ class ChannelReceiver:
             reader.error = ChannelClosed("the ingress closed the channel to this request's replica")
             raise
         except Exception as error:
-            reader.error = error
-            logger.warning("the channel to replica %s failed (%s): its %d request(s) move, and so do those it "
+            # A request's own error comes as its Ended item; the call itself failing is the transport's or the
+            # replica's failure (e.g. gRPC's RESOURCE_EXHAUSTED for an item past Serve's replica message limit,
+            # RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH): its requests move, never a 500.
+            reader.error = error if replica_failed(error) else ChannelFailed(
+                f"the channel to this request's replica failed ({type(root_cause(error)).__name__})")
+            logger.warning("the channel to replica %s failed (%s: %s): its %d request(s) move, and so do those it "
                            "takes until the failure reaches it", reader.replica, type(root_cause(error)).__name__,
-                           len(reader.requests))
+                           str(error)[:200], len(reader.requests))
         finally:
             reader.ended = True
             del self._readers[reader.replica, reader.epoch]
