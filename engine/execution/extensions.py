@@ -36,7 +36,9 @@ def build_extension(name: str, sources: list[Path], cflags: list[str]):
     from torch.utils import cpp_extension
 
     texts = [source.read_bytes() for source in sources]
-    depends = "\0".join([*cflags, *OPENMP, os.path.dirname(torch.__file__)])  # torch's paths: the environment's
+    # torch's real path (the environment's): the same through a symlinked .venv, as a git worktree has,
+    # which would otherwise build every kernel again
+    depends = "\0".join([*cflags, *OPENMP, os.path.dirname(os.path.realpath(torch.__file__))])
     digest = hashlib.sha256(b"\0".join(texts) + depends.encode()).hexdigest()[:16]
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     directory = root / "pdserve" / f"{name}-{digest}"
