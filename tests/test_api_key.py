@@ -13,8 +13,6 @@ from dialects.auth import check_api_key, is_open, route_path
 from dialects.errors import APIError
 from tests.serving import deploy, serve_session
 
-pytestmark = pytest.mark.beside_served  # apps of its own only, no load of its own: tests/workers.py
-
 KEY = "sk-test-4f1c"
 MODEL = "tiny-llama"
 

@@ -14,8 +14,6 @@ from deployments.app import pd_app
 from engine.execution.attention import batch_invariant_by_default
 from tests.serving import deploy, serve_session
 
-pytestmark = pytest.mark.beside_served  # apps of its own only, no load of its own: tests/workers.py
-
 # The replicas' environment without the suite's choice: an empty value leaves the engine's default.
 DEFAULT_MODE = {"ray_actor_options": {"runtime_env": {"env_vars": {"PDSERVE_BATCH_INVARIANT": ""}}}}
 SEEDED = [{"prompt": prompt, "seed": 100 + i} for i, prompt in enumerate(["Once upon a time", "The capital of"])]

@@ -15,8 +15,6 @@ from deployments.app import pd_app
 from tests.serving import HEALTHY_AGAIN_S, deploy, serve_session, wait_until, work_done
 from tools.mismatches import tiny_copy
 
-pytestmark = pytest.mark.beside_served  # apps of its own only, no load of its own: tests/workers.py
-
 APP = "mismatch"
 ARGS = {"torch_threads": 1, "dtype": "float32", "embeddings": False, "pd_local_prefill_tokens": 0}
 

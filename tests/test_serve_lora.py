@@ -19,8 +19,6 @@ from sampling import SamplingParams
 from tests.serving import assert_nothing_held, deploy, serve_session
 from tests.test_lora import ALL, make_adapter, to_trtllm
 
-pytestmark = pytest.mark.beside_served  # apps of its own only, no load of its own: tests/workers.py
-
 PROMPT = [1, 450, 499, 173, 170, 110, 169, 97, 278]
 NEW = 12
 MAX_TASKS = 2

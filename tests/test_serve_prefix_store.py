@@ -13,7 +13,7 @@ from deployments.app import pd_app
 from tests.serving import (call_replica, deploy, replicas, serve_session, sigkill, replica_process, sse_events,
                            wait_running, wait_until)
 
-pytestmark = [pytest.mark.slow, pytest.mark.beside_served]  # apps of its own only, no load of its own: tests/workers.py
+pytestmark = pytest.mark.slow
 
 APP = "store"
 BLOCK = 16  # the engines' block size
