@@ -255,6 +255,9 @@ def serving_resumes(url: str, killed: str, role: str = "DecodeServer", count: in
 
     assert wait_until(replaced, REPLICA_RESTART_S, 0.5), serve.status().applications["pd"].deployments[role]
     eventually_ok(url)
+    # ... and the ingress reaches both roles again (its router may learn of the new replica later than
+    # Serve's status says it runs: meanwhile it serves with one role, and a request succeeds anyway).
+    assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok", HEALTHY_AGAIN_S, 0.5)
 
 
 def eventually_ok(url: str) -> None:
