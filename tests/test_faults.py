@@ -540,7 +540,12 @@ def test_decode_scaled_down_mid_stream_its_streams_move_with_their_kv(base_url):
     moves its requests between the held step and the next)."""
     before = {"migrations": migrations(base_url), "moved": pd_metric(base_url, "pdserve_kv_moves", 'event="choices"')}
     with streams_running(base_url) as (texts, fault_done):
-        on = {name: call_replica(name, "holdings")["requests"] for name in sorted(decode_replicas())}
+        def running_on() -> dict[str, int]:
+            return {name: call_replica(name, "holdings")["requests"] for name in sorted(decode_replicas())}
+        # A stream may still be between P and D (its KV in flight) when its five events are read: wait
+        # (bounded) until all four run on a D.
+        wait_until(lambda: sum(running_on().values()) == 4, 30, 0.2)
+        on = running_on()
         assert len(on) == 2 and all(on.values()), on  # the router spreads four streams over both
         computed = {name: call_replica(name, "stats").prompt_tokens_computed for name in on}
         computed_on_p = work_done("PrefillServer", "pd")["prompt_tokens_computed"]
