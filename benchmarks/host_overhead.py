@@ -14,7 +14,7 @@ proxy they are the attention kernel's math over 512-token contexts, not host wor
 cProfile of decode steps at that size grouped by where the time goes. It also times the CUDA graph's input
 staging alone (``engine/execution/cuda_graphs.py``'s host side, which needs no GPU).
 
-    python benchmarks/host_overhead.py [--rows 64 256] [--steps 48] [--prompt 512] [--repeats 3]
+    python benchmarks/host_overhead.py [--rows 64 256] [--steps 48] [--prompt 512] [--repeats 3] [--controls 0.1]
 """
 
 from __future__ import annotations
@@ -68,12 +68,19 @@ def make_engine(model_dir: Path) -> LLMEngine:
                                   enable_prefix_caching=True))
 
 
-def add_requests(llm: LLMEngine, rows: int, prompt: int, new: int, tag: str) -> None:
+# The sampling controls a ``--controls`` share of the rows asks for: penalties and a logit bias.
+CONTROLS = dict(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.1, logit_bias={5: 0.5})
+
+
+def add_requests(llm: LLMEngine, rows: int, prompt: int, new: int, tag: str, controls: float = 0.0) -> None:
+    """``rows`` greedy requests; a ``controls`` share of them, spread through the batch, with CONTROLS."""
     generator = torch.Generator().manual_seed(rows)
     ids = torch.randint(3, 880, (rows, prompt), generator=generator).tolist()
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    controlled = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True, **CONTROLS)
     for i, p in enumerate(ids):
-        llm.add_request(GenerationRequest(f"{tag}{i}", p, params))
+        with_controls = int((i + 1) * controls) > int(i * controls)
+        llm.add_request(GenerationRequest(f"{tag}{i}", p, controlled if with_controls else params))
 
 
 def past_prefill(llm: LLMEngine, rows: int) -> None:
@@ -87,11 +94,11 @@ def new_tokens(llm: LLMEngine, rows: int, prompt: int, steps: int) -> int:
     return steps + rows * prompt // llm.config.max_num_batched_tokens + 4
 
 
-def decode_ms(llm: LLMEngine, rows: int, prompt: int, steps: int, tag: str) -> float:
+def decode_ms(llm: LLMEngine, rows: int, prompt: int, steps: int, tag: str, controls: float = 0.0) -> float:
     """CPU ms per decode step over ``steps`` steps of ``rows`` rows, after their prefill. The
     process's CPU time, not the wall clock: on a shared machine another process's work is not
     counted (torch runs on this thread alone, --threads 1)."""
-    add_requests(llm, rows, prompt, new_tokens(llm, rows, prompt, steps), tag)
+    add_requests(llm, rows, prompt, new_tokens(llm, rows, prompt, steps), tag, controls)
     past_prefill(llm, rows)
     start = time.process_time()
     for _ in range(steps):
@@ -103,9 +110,9 @@ def decode_ms(llm: LLMEngine, rows: int, prompt: int, steps: int, tag: str) -> f
     return 1e3 * elapsed / steps
 
 
-def profile(llm: LLMEngine, rows: int, prompt: int, steps: int) -> tuple[list[tuple[str, float]], str]:
+def profile(llm: LLMEngine, rows: int, prompt: int, steps: int, controls: float) -> tuple[list[tuple[str, float]], str]:
     """Per area, the profiled ms per step (own time); and cProfile's top functions."""
-    add_requests(llm, rows, prompt, new_tokens(llm, rows, prompt, steps), "prof")
+    add_requests(llm, rows, prompt, new_tokens(llm, rows, prompt, steps), "prof", controls)
     past_prefill(llm, rows)
     profiler = cProfile.Profile()
     profiler.enable()
@@ -134,10 +141,11 @@ PHASES = [
     ("runner", "_sample_step", "  sampler batch and sampler"),
     ("scheduler", "commit", "scheduler.commit"),
     ("", "_postprocess_decode", "outputs (tokens, stops, text, RequestOutput)"),
+    ("", "_postprocess", "outputs on the per-row path (a step not from the columns)"),
 ]
 
 
-def phases_us(llm: LLMEngine, rows: int, prompt: int, steps: int) -> tuple[float, dict[str, float]]:
+def phases_us(llm: LLMEngine, rows: int, prompt: int, steps: int, controls: float) -> tuple[float, dict[str, float]]:
     """µs per row per decode step: in all, and in each of PHASES (their methods timed in place)."""
     spent: dict[str, float] = {}
     originals = []
@@ -156,7 +164,7 @@ def phases_us(llm: LLMEngine, rows: int, prompt: int, steps: int) -> tuple[float
 
         originals.append((owner, name))
         setattr(owner, name, timed)
-    add_requests(llm, rows, prompt, new_tokens(llm, rows, prompt, steps), "phase")
+    add_requests(llm, rows, prompt, new_tokens(llm, rows, prompt, steps), "phase", controls)
     past_prefill(llm, rows)
     spent.clear()
     start = time.process_time()
@@ -201,16 +209,20 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens (the GPU workload's)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per size; the median is reported")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the host's own cost)")
+    parser.add_argument("--controls", type=float, default=0.0,
+                        help="share of the rows (0-1) asking for penalties and a logit bias (CONTROLS)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch threads {args.threads}")
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch threads {args.threads}; "
+          f"rows with penalties and a bias: {args.controls:.0%}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_random_model(Path(tmp) / "model", "llama", make_config=tiny_config)
         llm = make_engine(model_dir)
         decode_ms(llm, 16, args.prompt, 8, "warm")
         per_size = {}
         for rows in args.rows:
-            runs = [decode_ms(llm, rows, args.prompt, args.steps, f"r{rows}x{k}-") for k in range(args.repeats)]
+            runs = [decode_ms(llm, rows, args.prompt, args.steps, f"r{rows}x{k}-", args.controls)
+                    for k in range(args.repeats)]
             per_size[rows] = statistics.median(runs)
             print(f"{rows:4d} rows: {per_size[rows]:.2f} ms per decode step "
                   f"({1e3 * per_size[rows] / rows:.1f} µs per row; runs {', '.join(f'{r:.2f}' for r in runs)})")
@@ -223,13 +235,13 @@ def main() -> None:
         if staging is not None:
             print(f"CUDA graph input staging (host side), {max(args.rows)} rows: {staging:.0f} µs per step")
         rows = max(args.rows)
-        total, phases = phases_us(llm, rows, args.prompt, args.steps)
+        total, phases = phases_us(llm, rows, args.prompt, args.steps, args.controls)
         forward = phases.get("  model forward", 0.0) + phases.get("  LM head", 0.0)
         print(f"\nPer phase, {rows} rows, µs per row per step (unprofiled; {total:.1f} in all, "
               f"{total - forward:.1f} but the model forward and LM head):")
         for _, _, label in PHASES:
             print(f"  {label:52s} {phases.get(label, 0.0):6.1f}")
-        areas, top = profile(llm, max(args.rows), args.prompt, min(args.steps, 24))
+        areas, top = profile(llm, max(args.rows), args.prompt, min(args.steps, 24), args.controls)
         print(f"\ncProfile, {max(args.rows)} rows, own time per decode step (profiled, so inflated):")
         for name, ms in areas:
             print(f"  {name:52s} {ms:6.2f} ms")

@@ -282,8 +282,9 @@ class LLMEngine:
 
     def _from_columns(self, batch: ScheduledBatch) -> bool:
         """Whether a decode step's rows all sample and stop from their persistent-batch columns
-        alone: no processor, grammar, beam or generation logits, no choice left to fork, and not
-        PREFILL (a resumed request's context can end in one decode-like token: it hands over)."""
+        alone, penalties, biases and bans included: no grammar, beam or generation logits, no choice
+        left to fork, and not PREFILL (a resumed request's context can end in one decode-like token:
+        it hands over)."""
         apart = self._apart
         return bool(self.rows.plain[batch.slots].all()) and not (apart and any(
             (seq.request_id, seq.index) in apart for seq, _ in batch.entries))

@@ -2,10 +2,9 @@
 
 Built once per engine step from the requests that sample in that step, or gathered from the
 persistent batch's columns when every row samples from them alone (``from_columns``). Dense per-row
-controls (temperature, top-k, top-p, min-p, penalties, seeds) become [R] tensors so the
-sampler handles them without a Python loop over rows; the rare list-valued controls
-(bad words, n-gram bans, logit bias) are kept as per-row lists, with the indices of the
-rows that use them.
+controls (temperature, top-k, top-p, min-p, seeds) become [R] tensors so the sampler handles
+them without a Python loop over rows; penalties, logit biases and bans are the processors' inputs
+(sampling/processors.py ``ProcessorInputs``), over the rows that ask for them.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import torch
 
 from sampling.noise import split_seed
 from sampling.params import SamplingParams
-from sampling.processors import uses_processors
+from sampling.processors import ProcessorInputs
 
 
 @dataclass
@@ -49,6 +48,7 @@ class SamplingColumns:
     seed_hi: np.ndarray  # int64
     step: np.ndarray  # int64: index of the token being generated
     logprobs: np.ndarray  # int64: top-N asked for, -1 = none
+    processors: ProcessorInputs | None  # the rows' penalties, biases and bans (on the CPU); None: no row has one
 
 
 @dataclass
@@ -72,7 +72,7 @@ class SamplingBatch:
     step: torch.Tensor  # [R] int64: index of the token being generated
     max_logprobs: int | None  # largest top-N asked for in the batch, None if none asked
     top_n: list[int | None]  # per row: the top-N logprobs it asked for, None if none
-    has_processors: bool  # some row asks for a penalty, bias or ban (sampling/processors.py)
+    processors: ProcessorInputs | None  # the rows' penalties, biases and bans; None when no row asks for one
     grammar_rows: torch.Tensor  # [Rc] int64: rows constrained by a grammar
     token_bitmask: torch.Tensor | None  # [Rc, W] int32: their allowed tokens, packed; None when Rc = 0
 
@@ -113,7 +113,7 @@ class SamplingBatch:
             step=ints[3],
             max_logprobs=max(asked) if asked else None,
             top_n=[p.logprobs for p in params],
-            has_processors=any(uses_processors(p) for p in params),
+            processors=None if (inputs := ProcessorInputs.from_rows(rows)) is None else inputs.to(device),
             grammar_rows=tensor(constrained, torch.int64),
             token_bitmask=torch.stack([rows[i].token_bitmask for i in constrained]).to(device) if constrained else None,
         )
@@ -121,7 +121,7 @@ class SamplingBatch:
     @classmethod
     def from_columns(cls, columns: "SamplingColumns", device: torch.device) -> "SamplingBatch":
         """The batch of rows that sample from their columns alone (engine/execution/persistent_batch.py:
-        no processor, grammar, draft or beam), gathered for the step, without a Python loop over rows."""
+        no grammar, draft or beam), gathered for the step, without a Python loop over rows."""
         greedy, min_p = columns.greedy, columns.min_p
         logprobs = columns.logprobs
 
@@ -146,7 +146,7 @@ class SamplingBatch:
             step=tensor(columns.step),
             max_logprobs=max_logprobs,
             top_n=[None] * len(logprobs) if max_logprobs is None else [n if n >= 0 else None for n in logprobs.tolist()],
-            has_processors=False,
+            processors=None if columns.processors is None else columns.processors.to(device),
             grammar_rows=empty,
             token_bitmask=None,
         )
@@ -154,6 +154,3 @@ class SamplingBatch:
     @property
     def num_rows(self) -> int:
         return len(self.temperature)
-
-    def rows_where(self, predicate) -> list[int]:
-        return [i for i, r in enumerate(self.rows) if predicate(r.params)]

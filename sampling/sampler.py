@@ -90,8 +90,8 @@ class Sampler:
             rows = batch.grammar_rows
             allowed = allowed_tokens(batch.token_bitmask, self.vocab_size)  # [Rc, V]
             logits[rows] = logits[rows].masked_fill(~allowed, -float("inf"))
-        if batch.has_processors:
-            apply_all(logits, batch)
+        if batch.processors is not None:
+            apply_all(logits, batch.processors)
         if batch.scales_temperature:
             logits.div_(batch.temperature[:, None])
         logprob_table = logits.log_softmax(-1) if batch.max_logprobs is not None else None

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from engine import llm_engine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
@@ -142,3 +143,37 @@ def test_dtype_auto_follows_the_cpu(monkeypatch):
     monkeypatch.setattr(loader, "cpu_flags", lambda: {"avx2", "fma"})
     assert loader.torch_dtype("auto", cpu) == torch.float32
     assert loader.torch_dtype("float64", cpu) == torch.float64
+
+
+def test_a_batch_mixing_penalties_bans_and_biases_with_plain_rows_equals_transformers(model_dirs, monkeypatch):
+    """fp32 greedy, one batch: rows with transformers' processors (repetition penalty, n-gram and
+    bad-word bans, a logit bias as its sequence_bias, min_new_tokens) beside rows with none; each
+    row's tokens equal transformers' generate() with that row's processors alone, and the decode
+    steps that mix them run from the persistent batch's columns (their tokens appended and their
+    stops decided by the batch's arrays at any batch size)."""
+    monkeypatch.setattr(llm_engine, "ARRAY_STOPS_MIN_ROWS", 1)
+    model_dir = model_dirs["llama"]
+    prompt_ids = prompts()
+    plain = [tokens for tokens, _ in hf_greedy_with_top(model_dir, prompt_ids, torch.float32)]
+    controls = [{}, dict(repetition_penalty=1.8, min_new_tokens=NEW_TOKENS), dict(no_repeat_ngram_size=2), {},
+                dict(bad_words_ids=[[plain[4][0]], [plain[4][2], plain[4][3]]]),
+                dict(logit_bias={plain[5][1]: -5.0, 100: 3.0}),
+                dict(repetition_penalty=0.5, no_repeat_ngram_size=3, logit_bias={plain[6][0]: -2.0}), {}]
+    llm = engine(model_dir, dtype="float32")
+    columns, column_steps = llm._from_columns, []
+    llm._from_columns = lambda batch: column_steps.append(columns(batch)) or column_steps[-1]
+    reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                                                         **c)) for i, (p, c) in enumerate(zip(prompt_ids, controls))]
+    results = llm.generate(reqs)
+    model = load_hf(model_dir, torch.float32)
+    for i, (p, c) in enumerate(zip(prompt_ids, controls)):
+        hf = {k: v for k, v in c.items() if k not in ("logit_bias", "min_new_tokens")}  # transformers': always
+        if "logit_bias" in c:
+            hf["sequence_bias"] = {(token,): value for token, value in c["logit_bias"].items()}
+        ids = torch.tensor([p])
+        theirs = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                min_new_tokens=NEW_TOKENS, pad_token_id=0, **hf)[0, len(p):].tolist()
+        assert results[f"r{i}"].output_token_ids == theirs, (i, c)
+    changed = sum(results[f"r{i}"].output_token_ids != plain[i] for i in (1, 2, 4, 5, 6))
+    assert changed >= 3, "the controls were meant to change most of their rows' tokens"
+    assert sum(column_steps) >= 3

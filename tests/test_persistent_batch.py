@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -22,7 +23,8 @@ from engine.llm_engine import LLMEngine
 from engine.lora_adapter import LoraAdapter
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence
 from engine.scheduler import ScheduledBatch, Scheduler
-from sampling import SamplingParams
+from sampling import SamplingParams, SamplingRow
+from sampling.processors import ProcessorInputs, apply_all
 
 BLOCK = 4
 
@@ -39,12 +41,20 @@ def assert_matches_rebuild(rows: PersistentBatch, running: list[Sequence]) -> No
             column = getattr(rows, name)
             np.testing.assert_array_equal(column[seq.row], np.asarray(value, dtype=column.dtype),
                                           err_msg=f"{seq.key} {name}")
+        # The ragged controls: a history where a penalty or ban reads one, the request's logit bias.
+        history = rows.controls.history_tokens(seq.row, seq.num_tokens)
+        assert history == (seq.token_ids if rows.controls.needs_history(seq) else None), seq.key
+        mine = rows.controls.bias_slots == seq.row
+        assert dict(zip(rows.controls.bias_ids[mine].tolist(), rows.controls.bias_values[mine].tolist())) == {
+            token: np.float32(value) for token, value in seq.params.logit_bias.items()}, seq.key
         table = rows.tables[seq.row]
         assert rows.table_len[seq.row] == len(seq.block_table)
         assert table[:len(seq.block_table)].tolist() == seq.block_table, seq.key
         assert not table[len(seq.block_table):].any()
     taken = {seq.row for seq in running}
     assert all(rows.seqs[slot] is None for slot in range(rows.capacity) if slot not in taken)
+    assert set(rows.controls.bias_slots.tolist()) <= taken
+    assert rows.controls.num_histories == sum(rows.controls.needs_history(seq) for seq in running)
 
 
 def scheduled(batch: ScheduledBatch) -> tuple:
@@ -57,7 +67,9 @@ def random_params(rng: random.Random) -> SamplingParams:
     return SamplingParams(max_new_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.7, 1.0]),
                           top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.1]),
                           logprobs=rng.choice([None, 2]), ignore_eos=rng.random() < 0.5,
-                          repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
+                          repetition_penalty=rng.choice([1.0, 1.0, 1.2]), presence_penalty=rng.choice([0.0, 0.5]),
+                          logit_bias=rng.choice([{}, {}, {4: 1.5, 9: -2.0}]), min_new_tokens=rng.choice([0, 3]),
+                          bad_words_ids=rng.choice([[], [[5], [6, 8]]]), no_repeat_ngram_size=rng.choice([0, 0, 2]),
                           stop_token_ids=rng.choice([[], [[7]], [[7], [8, 9]], [[1], [2], [3], [4], [5]]]),
                           eos_token_id=rng.choice([None, 11]))
 
@@ -121,6 +133,57 @@ def test_arrays_equal_a_rebuild_after_random_changes(seed):
         assert scheduler._ordered == sorted(scheduler.running, key=lambda s: s.order_key)
     assert rows.capacity > 2
     assert fast_steps >= 3, "the random changes were meant to reach steps of decodes only"
+
+
+def test_processor_inputs_from_the_columns_equal_those_from_the_rows():
+    """Model-free: rows with random penalties, biases, bans and min_new_tokens (and some with none),
+    prompt-table ids (past the vocabulary) among some prompts, output lengths on both sides of
+    min_new_tokens, tokens appended one row at a time and a step's rows at once, the step's rows
+    in another order than their slots: the processors change the logits from the batch's columns
+    exactly as from the per-row ``SamplingRow``s (the engine's: prompt-table ids left out)."""
+    rng = random.Random(3)
+    vocab = 30
+    rows = PersistentBatch(2, 16, vocab_size=vocab)
+    seqs = []
+    for k in range(14):
+        params = SamplingParams(repetition_penalty=rng.choice([1.0, 1.3, 0.7]), presence_penalty=rng.choice([0.0, 0.5]),
+                                frequency_penalty=rng.choice([0.0, 0.3]), min_new_tokens=rng.choice([0, 3]),
+                                logit_bias=rng.choice([{}, {rng.randrange(4, vocab): 2.0, 3: -1.5}]),
+                                no_repeat_ngram_size=rng.choice([0, 1, 2]),
+                                bad_words_ids=rng.choice([[], [[5], [6, 7]]]))
+        prompt = [rng.randrange(vocab + 4) for _ in range(rng.randint(1, 9))]  # ids >= vocab: a prompt table's
+        if k == 0:  # bans every token of its context but the prompt table's
+            params, prompt = SamplingParams(no_repeat_ngram_size=1), [4, vocab + 1, 6]
+        if k == 1:  # nothing to penalise until its first output: no real prompt token
+            params, prompt = SamplingParams(repetition_penalty=1.5), [vocab + 1, vocab + 2]
+        seq = Sequence(GenerationRequest(f"p{k}", prompt, params), k, k, Mode.GENERATE, time.time() + 60)
+        seq.eos_token_ids = [2] if k % 3 else [2, 9]
+        rows.join(seq)
+        seqs.append(seq)
+    changed = 0
+    for step in range(7):
+        order = rng.sample(seqs, len(seqs))
+        slots = np.array([seq.row for seq in order])
+        columns = rows.sampling_columns(slots).processors
+        per_row = ProcessorInputs.from_rows([
+            SamplingRow(seq.params, seq.seed, [t for t in seq.prompt_ids if t < vocab], seq.output_ids,
+                        seq.eos_token_ids)
+            for seq in order])
+        logits = torch.randn(len(order), vocab, generator=torch.Generator().manual_seed(step)) * 3
+        from_columns, from_rows = logits.clone(), logits.clone()
+        apply_all(from_columns, columns)
+        apply_all(from_rows, per_row)
+        assert torch.equal(from_columns, from_rows), step
+        changed += int((from_columns != logits).any(1).sum())
+        tokens = np.array([rng.randrange(vocab) for _ in order])
+        for seq, token in zip(order, tokens.tolist()):
+            seq.token_ids.append(token)
+        if step % 2:
+            for seq in order:
+                rows.write_token(seq)
+        else:
+            rows.append_tokens(slots, tokens)
+    assert changed >= 40, "most rows were meant to ask for some control"
 
 
 def test_decode_step_gathers_equal_the_sequences():
@@ -222,6 +285,15 @@ def test_decode_steps_from_the_columns_give_the_per_row_outputs(monkeypatch, arr
              SamplingParams(max_new_tokens=24, temperature=1.0, seed=8, stop=[" "], include_stop_str_in_output=True),
              SamplingParams(max_new_tokens=24, temperature=1.0, seed=9, stop_token_ids=[[13], [29], [31]]),
              SamplingParams(max_new_tokens=6, temperature=1.0, seed=10, ignore_eos=True, logprobs=0)]
+    runs = column_and_per_row_runs(config, specs)
+    assert runs[0] == runs[1]
+    ends = {out[5] for out in runs[0] if out[4]}
+    assert {"eos_token", "stop_sequence", "length"} <= ends, ends
+
+
+def column_and_per_row_runs(config: EngineConfig, specs: list[SamplingParams]) -> list[list[tuple]]:
+    """The outputs (``streams``) of the same requests, two of each of ``specs``, through the column
+    paths and through the per-row ones."""
     runs = []
     for per_row in (False, True):
         engine = LLMEngine(config)
@@ -237,6 +309,45 @@ def test_decode_steps_from_the_columns_give_the_per_row_outputs(monkeypatch, arr
         runs.append(streams(engine, requests))
         if not per_row:
             assert sum(used) >= 5, "the column path was meant to run most decode steps"
+    return runs
+
+
+# Rows with penalties, biases and bans beside rows without any, greedy and seeded.
+MIXED_CONTROLS = [
+    SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_new_tokens=20, temperature=0.0, repetition_penalty=1.6, logit_bias={40: 2.5, 41: -1.0},
+                   logprobs=3),
+    SamplingParams(max_new_tokens=20, temperature=0.9, seed=4, presence_penalty=1.5, frequency_penalty=1.2),
+    SamplingParams(max_new_tokens=20, temperature=1.0, seed=5, logprobs=1),
+    SamplingParams(max_new_tokens=20, temperature=1.0, seed=6, no_repeat_ngram_size=2, bad_words_ids=[[40], [41, 42]]),
+    SamplingParams(max_new_tokens=20, temperature=0.0, min_new_tokens=15, repetition_penalty=0.6),
+    SamplingParams(max_new_tokens=20, temperature=1.2, seed=7, logit_bias={3: 4.0}, min_new_tokens=8),
+]
+
+
+@pytest.mark.parametrize("array_stops_min_rows", [1, llm_engine.ARRAY_STOPS_MIN_ROWS])
+def test_a_step_mixing_rows_with_penalties_biases_and_bans_stays_on_the_columns(monkeypatch, array_stops_min_rows):
+    """Rows with penalties, logit biases, bans and min_new_tokens beside rows with none: their decode
+    steps run from the columns, and every output (tokens, logprobs, ends) equals the per-row path's."""
+    monkeypatch.setattr(llm_engine, "ARRAY_STOPS_MIN_ROWS", array_stops_min_rows)
+    config = EngineConfig(model="tiny-llama", block_size=4, num_blocks=256, max_num_seqs=16)
+    runs = column_and_per_row_runs(config, MIXED_CONTROLS)
     assert runs[0] == runs[1]
-    ends = {out[5] for out in runs[0] if out[4]}
-    assert {"eos_token", "stop_sequence", "length"} <= ends, ends
+    assert any(out[8] for out in runs[0]), "some rows were meant to report logprobs"
+
+
+def test_each_row_of_a_mixed_batch_gets_the_tokens_it_gets_alone():
+    """fp32, batch invariance on: each request with penalties, biases or bans (or none) makes the
+    same tokens and logprobs in the mixed batch as alone, so no row's controls reach another row."""
+    config = EngineConfig(model="tiny-llama", dtype="float32", block_size=4, num_blocks=256, max_num_seqs=16,
+                          batch_invariant=True)
+    engine = LLMEngine(config)
+    requests = [GenerationRequest(f"m{k}", list(range(30 + k, 42 + 2 * k)), params)
+                for k, params in enumerate(MIXED_CONTROLS)]
+    together = engine.generate(requests)
+    for request in requests:
+        alone = engine.generate([request])[request.request_id]
+        mixed = together[request.request_id]
+        assert alone.output_token_ids == mixed.output_token_ids, request.request_id
+        assert alone.cumulative_logprob == mixed.cumulative_logprob, request.request_id
+    assert together["m5"].num_output_tokens >= 15  # min_new_tokens held its EOS back

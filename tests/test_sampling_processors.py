@@ -24,7 +24,7 @@ def ours(logits, ids, params_list, output_len=OUTPUT):
     batch = batch_of(params_list, VOCAB, prompts=[r[: ids.shape[1] - output_len].tolist() for r in ids],
                      outputs=[r[ids.shape[1] - output_len:].tolist() for r in ids], eos=[EOS])
     out = logits.clone()
-    apply_all(out, batch)
+    apply_all(out, batch.processors)
     return out
 
 
@@ -110,3 +110,14 @@ def test_a_row_too_short_to_ban_does_not_stop_the_rows_after_it():
     params = [SamplingParams(no_repeat_ngram_size=5), SamplingParams(no_repeat_ngram_size=2)]
     got = ours(torch.zeros(2, VOCAB), ids, params, output_len=0)
     assert torch.isfinite(got[0]).all() and got[1, 6] == -float("inf")
+
+
+def test_penalties_leave_a_row_with_no_context_untouched(data):
+    """A row whose context has no real token yet (a prompt of prompt-table ids only, no output):
+    transformers' processors change none of its logits, nor ours (whose ids are padded)."""
+    logits, ids = data
+    params = [SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5)] * 2
+    batch = batch_of(params, VOCAB, prompts=[[], ids[1, :PROMPT].tolist()], outputs=[[], ids[1, PROMPT:].tolist()])
+    out = logits[:2].clone()
+    apply_all(out, batch.processors)
+    assert torch.equal(out[0], logits[0]) and not torch.equal(out[1], logits[1])

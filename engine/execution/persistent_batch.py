@@ -12,6 +12,10 @@ tables), its sampling columns and its stop checks are gathers of these arrays by
     rows.write_token(seq)                  # a token appended (output processor, beams)
     rows.leave(seq)                        # finished, aborted, preempted
 
+A row's penalties, logit bias and bans are columns too: their values here, the token histories and
+the bias table in ``controls`` (engine/execution/processor_columns.py), so a decode step that mixes
+rows with and without them still samples from the columns, one vectorized path.
+
 ``row_columns(seq)`` is the same state computed from the sequence alone: ``join`` writes it, and
 tests compare the arrays with it after every change (tests/test_persistent_batch.py).
 """
@@ -22,10 +26,11 @@ from typing import Protocol
 
 import numpy as np
 
+from engine.execution.processor_columns import ProcessorColumns
 from engine.execution.step_inputs import StepSequence
 from sampling.batch import SamplingColumns
 from sampling.noise import split_seed
-from sampling.processors import uses_processors
+from sampling.processors import uses_list_bans, uses_processors
 
 NO_ROW = -1
 EOS_WIDTH = 4  # end ids per row (the model's, or the request's one); more: the row checks them per row
@@ -56,8 +61,13 @@ COLUMNS = {
     "seed_hi": (np.int64, ()),
     "greedy": (np.bool_, ()),
     "logprobs": (np.int64, ()),  # top-N asked for, -1 = none
-    # Samples from these columns alone: no processor, grammar, beams, generation logits (a step
-    # with drafts takes the per-row path whatever the rows).
+    # The processors' controls (sampling/processors.py): the dense ones; the ragged ones in ``controls``.
+    "processed": (np.bool_, ()),  # asks for any processor
+    "penalties": (np.float32, (3,)),  # repetition (1.0 = off), presence, frequency (0.0 = off)
+    "min_new": (np.int64, ()),
+    "list_bans": (np.bool_, ()),  # a no-repeat n-gram size or bad words: banned row by row
+    # Samples from these columns alone: no grammar, beams, generation logits (a step with drafts
+    # takes the per-row path whatever the rows).
     "plain": (np.bool_, ()),
     "max_new": (np.int64, ()),
     "ignore_eos": (np.bool_, ()),
@@ -85,6 +95,7 @@ class PersistentBatch:
         self.seqs: list[RowSequence | None] = []  # by slot
         self._free: list[int] = []
         self.adapters: dict[tuple, int] = {}  # an adapter's (name, digest) -> its index in the lora column
+        self.controls = ProcessorColumns(0, vocab_size)  # token histories and logit biases, by slot
         self._grow(max(1, capacity))
 
     def _grow(self, capacity: int) -> None:
@@ -94,6 +105,7 @@ class PersistentBatch:
         for name, (dtype, shape) in COLUMNS.items():
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros((extra, *shape), dtype=dtype)]))
         self.seqs += [None] * extra
+        self.controls.grow(capacity)
         self._free += range(capacity - 1, self.capacity - 1, -1)  # lowest slot taken first
         self.capacity = capacity
 
@@ -115,6 +127,7 @@ class PersistentBatch:
         self.seqs[slot] = seq
         for name, value in self.row_columns(seq).items():
             getattr(self, name)[slot] = value
+        self.controls.join(slot, seq)
         self.write_blocks(seq)
 
     def leave(self, seq: RowSequence) -> None:
@@ -123,6 +136,7 @@ class PersistentBatch:
             return
         self.seqs[seq.row] = None
         self.tables[seq.row] = 0
+        self.controls.leave(seq.row)
         self._free.append(seq.row)
         seq.row = NO_ROW
 
@@ -149,11 +163,13 @@ class PersistentBatch:
         if seq.row != NO_ROW:
             self.token[seq.row] = seq.token_ids[-1]
             self.num_tokens[seq.row] = len(seq.token_ids)
+            self.controls.write_token(seq.row, len(seq.token_ids), seq.token_ids[-1])
 
     def append_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """One token appended to each row of ``slots`` [R] (a decode step's sampled ``tokens`` [R])."""
         self.token[slots] = tokens
         self.num_tokens[slots] += 1
+        self.controls.append_tokens(slots, self.num_tokens[slots], tokens)
 
     def write_computed(self, seq: RowSequence) -> None:
         if seq.row != NO_ROW:
@@ -170,9 +186,14 @@ class PersistentBatch:
 
     def sampling_columns(self, slots: np.ndarray) -> SamplingColumns:
         """The sampling controls of ``slots`` [R], for ``SamplingBatch.from_columns``."""
+        num_tokens, num_prompt = self.num_tokens[slots], self.num_prompt[slots]
+        processors = None
+        if self.processed[slots].any():
+            processors = self.controls.inputs(slots, self.seqs, num_tokens, num_prompt, self.penalties[slots],
+                                              self.min_new[slots], self.list_bans[slots])
         return SamplingColumns(self.greedy[slots], self.temperature[slots], self.top_k[slots], self.top_p[slots],
-                               self.min_p[slots], self.seed_lo[slots], self.seed_hi[slots],
-                               self.num_tokens[slots] - self.num_prompt[slots], self.logprobs[slots])
+                               self.min_p[slots], self.seed_lo[slots], self.seed_hi[slots], num_tokens - num_prompt,
+                               self.logprobs[slots], processors)
 
     def stops(self, slots: np.ndarray, tokens: np.ndarray, max_model_len: int, max_iter_times: int
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -198,7 +219,7 @@ class PersistentBatch:
         lora = -1
         if seq.lora is not None:
             lora = self.adapters.setdefault((seq.lora.ref.name, seq.lora.ref.digest), len(self.adapters))
-        plain = not (uses_processors(p) or p.grammar is not None or p.beam_width > 1 or p.return_generation_logits)
+        plain = not (p.grammar is not None or p.beam_width > 1 or p.return_generation_logits)
         return {
             "token": seq.token_ids[-1], "num_tokens": len(seq.token_ids), "num_computed": seq.num_computed_tokens,
             "num_prompt": seq.num_prompt_tokens, "temperature": 1.0 if greedy else p.temperature,
@@ -206,5 +227,7 @@ class PersistentBatch:
             "seed_lo": lo, "seed_hi": hi, "greedy": greedy, "logprobs": -1 if p.logprobs is None else p.logprobs,
             "plain": plain, "max_new": p.max_new_tokens, "ignore_eos": p.ignore_eos, "eos": eos,
             "stop_ids": stop_ids, "stops_per_row": stop_overflow or eos_overflow or len(singles) < len(p.stop_token_ids),
-            "decode_side": seq.decode_side, "lora": lora,
+            "decode_side": seq.decode_side, "lora": lora, "processed": uses_processors(p),
+            "penalties": (p.repetition_penalty, p.presence_penalty, p.frequency_penalty),
+            "min_new": p.min_new_tokens, "list_bans": uses_list_bans(p),
         }
