@@ -1,7 +1,9 @@
 """A running request moved from one engine to another mid-decode (engine/running_export.py, the
 ingress's ``moved_leg``: deployments/ingress/migration.py) goes on as if it had never moved: the
 same tokens as an undisturbed run, greedy and seeded, nothing computed again on the new engine,
-its blocks freed on the old one. fp32, the tiny Llama."""
+its blocks freed on the old one; with its KV by reference too (the KV connector's ``export`` and
+``adopt``), in a small item, and a KV gone before the ingress took it falls back to token replay.
+fp32, the tiny Llama."""
 
 from dataclasses import replace
 
@@ -282,7 +284,7 @@ def test_a_moved_kv_gone_before_the_ingress_took_it_falls_back_to_token_replay(e
     async def d_stream():
         yield [*outputs, moved]
 
-    async def read() -> list:
+    async def read() -> tuple[list, Exception]:
         got = []
         with pytest.raises(Exception) as failure:
             async for batch in backend._followed(request, d_stream(), None):
