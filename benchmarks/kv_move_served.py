@@ -22,9 +22,9 @@ of the moved streams and of the unmoved ones (client-side, per SSE event).
         [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--streams 32] [--prompt 128] [--output 160]
         [--move-after 32] [--json PATH]
 
-At Ray Serve's default replica gRPC message limit (4 MiB) a drained D's moves of a real model's KV
-fail (benchmarks/RESULTS.md, issue 54 session 6); ``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647``
-in this script's environment raises it for every process of its Ray.
+The moved KV goes by reference (docs/serving.md, "Live KV moves off a draining D"), so the moves
+work at Ray Serve's default replica gRPC message limit (4 MiB): no setting needed. Before (issue 54
+session 6) they went by value and needed ``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH`` raised.
 
 Bounded: every stream by ``STREAM_TIMEOUT_S``, the drain by ``DRAIN_TIMEOUT_S``; Ray and every
 replica end with the script, on SIGTERM too (ray.init's handler exits; the session's ``finally``

@@ -11,6 +11,11 @@ grammar and max_new_tokens go on where they were, as in token-replay migration) 
 is ``o_k``, already streamed to the client, with the KV of its context. So the tokens that follow
 are the ones the undisturbed run would have made.
 
+The KV leaves the engine by value (``export_choice``); a server that sends the ``Moved`` to another
+process first puts each choice's bytes where the receiver can take them over and keeps only the
+handle (``Moved.by_reference``: deployments/replicas/servers.py, with its KV connector's ``export``),
+so that what travels with the ``Moved`` is small whatever the context's length.
+
 Only a choice running a plain decode moves: not one waiting or receiving its KV, not a request
 whose other choices have not forked yet, not a beam search (its beams share one state across
 sequences). Those stay where they are (the caller asks again later).
@@ -18,7 +23,10 @@ sequences). Those stay where they are (the caller asks again later).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import numpy as np
 
 from engine.kv_transfer import KVPayload
 from engine.outputs import ChoiceStart, PrefillResult
@@ -34,8 +42,10 @@ class MovedChoice:
     output_ids: list[int]  # every token it generated so far, the last one (the next input) included
     cumulative_logprob: float  # of output_ids
     # The hand-off: ``choices`` [the last token], the KV of the prompt and output_ids[:-1]; kv.data
-    # [L, 2, prompt + len(output_ids) - 1, Hkv, D].
+    # [L, 2, prompt + len(output_ids) - 1, Hkv, D], None once the bytes went by reference (``kv``).
     handoff: PrefillResult
+    nbytes: int  # of the KV bytes, wherever they are
+    kv: Any = None  # the transport's handle to the bytes once they left by reference (Moved.by_reference)
 
 
 @dataclass
@@ -49,7 +59,15 @@ class Moved:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.handoff.kv.nbytes for c in self.choices)
+        return sum(c.nbytes for c in self.choices)
+
+    def by_reference(self, export: Callable[[np.ndarray], Any]) -> None:
+        """Each choice's KV bytes handed to ``export`` (a KV connector's: it puts them where the
+        receiver can take them over and answers their handle); the choice keeps the handle, not the bytes."""
+        for choice in self.choices:
+            kv = choice.handoff.kv
+            choice.kv = export(kv.data)
+            choice.handoff = replace(choice.handoff, kv=KVPayload(kv.meta, None))
 
 
 def movable(seqs: list[Sequence], searching: bool) -> bool:
@@ -67,4 +85,4 @@ def export_choice(seq: Sequence, runner) -> MovedChoice:
     kv = KVPayload(runner.kv_meta(context), runner.export_kv(seq, 0, context))
     last = seq.token_ids[-1]
     handoff = PrefillResult(seq.request_id, [ChoiceStart(seq.index, last, None, seq.seed)], kv, 0.0)
-    return MovedChoice(seq.index, seq.seed, list(seq.output_ids), seq.cumulative_logprob, handoff)
+    return MovedChoice(seq.index, seq.seed, list(seq.output_ids), seq.cumulative_logprob, handoff, kv.nbytes)

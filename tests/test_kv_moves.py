@@ -1,7 +1,9 @@
 """A running request moved from one engine to another mid-decode (engine/running_export.py, the
 ingress's ``moved_leg``: deployments/ingress/migration.py) goes on as if it had never moved: the
 same tokens as an undisturbed run, greedy and seeded, nothing computed again on the new engine,
-its blocks freed on the old one. fp32, the tiny Llama."""
+its blocks freed on the old one; with its KV by reference too (the KV connector's ``export`` and
+``adopt``), in a small item, and a KV gone before the ingress took it falls back to token replay.
+fp32, the tiny Llama."""
 
 from dataclasses import replace
 
@@ -174,3 +176,123 @@ def test_a_served_stream_ends_with_its_move(model_dirs):
     target.add_request(leg, Mode.DECODE, handoff)
     rest = [t for o in target.run_to_completion()[leg.request_id] for t in o.new_token_ids]
     assert streamed + rest == undisturbed(target, GenerationRequest("whole-served", PROMPT, params))[0]
+
+
+# The KV by reference (a draining D's ``Moved.by_reference`` with its connector's ``export``, the
+# ingress's ``adopt``, the new D's ``load``), over the shared-memory connector: it needs no Ray
+# (the object store's, served: tests/test_faults.py's scale-down, benchmarks/kv_move_served.py).
+ITEM_BYTES = 2048  # a by-reference Moved pickled, at most, for this prompt and these tokens: whatever its KV's size
+
+
+@pytest.fixture
+def no_segment_left():
+    """The test leaves no pdserve segment of its own in /dev/shm (its leases dropped first)."""
+    import gc
+
+    from deployments.pd.kv_direct import segments
+
+    before = set(segments())
+    yield
+    gc.collect()
+    assert not set(segments()) - before
+
+
+def moved_by_reference(source: LLMEngine, request: GenerationRequest, steps: int, connector):
+    """``request`` on ``source`` for ``steps`` steps, then moved with its KV by reference (as a
+    draining D sends it): its outputs so far and the Moved."""
+    source.add_request(request)
+    before = []
+    for _ in range(steps):
+        before += source.step()
+    moved = source.move_out(request.request_id)
+    moved.by_reference(connector.export)
+    return before, moved
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_move_by_reference_continues_with_the_same_tokens(engines, params, no_segment_left):
+    import asyncio
+    import pickle
+
+    from deployments.pd.kv_connector import PrefillReply
+    from deployments.pd.kv_direct import SharedMemoryConnector
+
+    source, target = engines
+    connector = SharedMemoryConnector(30.0)
+    whole = undisturbed(source, GenerationRequest("whole-ref", PROMPT, params, n=2))
+    request = GenerationRequest("ref", PROMPT, params, n=2)
+    before, moved = moved_by_reference(source, request, 6, connector)
+    assert source.blocks.counts().held == 0  # the draining side freed its blocks at the export
+    item = len(pickle.dumps(moved))  # what the channel carries for this request
+    assert item <= ITEM_BYTES < moved.nbytes // 4, (item, moved.nbytes)
+    assert all(c.handoff.kv.data is None for c in moved.choices)
+    computed = target.scheduler.num_prompt_tokens_computed
+    after = []
+    for choice in moved.choices:  # as the ingress and the new D take it (PDBackend._moved_choice, DecodeServer)
+        leg, handoff = moved_leg(request, choice, 1)
+        reply = PrefillReply([], handoff, asyncio.run(connector.adopt(choice.kv)))
+        target.add_request(leg, Mode.DECODE, handoff)  # blocks first, the bytes once it holds them
+        while leg.request_id not in target.take_kv_wanted():
+            assert not target.step()
+        data, transfer = asyncio.run(connector.load(pickle.loads(pickle.dumps(reply))))
+        assert transfer.nbytes == choice.nbytes
+        assert target.receive_kv(leg.request_id, data)
+        after += [replace(o, index=choice.index) for o in target.run_to_completion()[leg.request_id]]
+        del reply
+    assert tokens_of(before + after) == whole
+    assert target.scheduler.num_prompt_tokens_computed == computed and target.blocks.counts().held == 0
+
+
+@pytest.mark.parametrize("transport", ["shared_memory", "object_store"])
+def test_a_moved_kv_gone_before_the_ingress_took_it_falls_back_to_token_replay(engines, transport, no_segment_left):
+    """The draining D's process ended before the ingress adopted its KV (a sweep took the segment;
+    Ray answers OwnerDiedError for D's object, as it does when D's worker is gone): the request's
+    outputs so far reach the client, then a replica failure, which migration answers with token
+    replay; the move is counted as failed, and nothing is held anywhere (the source freed its blocks)."""
+    import asyncio
+    from collections import Counter
+
+    from ray.exceptions import OwnerDiedError
+
+    from deployments.failures import replica_failed
+    from deployments.ingress.migration import resumes
+    from deployments.pd.backends import PDBackend
+    from deployments.pd.kv_connector import ObjectStoreConnector
+    from deployments.pd.kv_direct import SharedMemoryConnector
+
+    source, _ = engines
+    connector = SharedMemoryConnector(30.0) if transport == "shared_memory" else ObjectStoreConnector()
+    request = GenerationRequest(f"lost-{transport}", PROMPT, GREEDY)
+
+    def export_then_lose(data):
+        if transport == "shared_memory":
+            segment = connector.export(data)
+            segment.path.unlink()  # a sweep, D being gone
+            return segment
+
+        async def owner_died():
+            raise OwnerDiedError("f" * 56, "", "")
+        return owner_died()
+
+    source.add_request(request)
+    outputs = source.step() + source.step()
+    moved = source.move_out(request.request_id)
+    moved.by_reference(export_then_lose)
+    backend = object.__new__(PDBackend)  # the ingress's side alone: no D is reached
+    backend.kv, backend.moves = connector, Counter()
+
+    async def d_stream():
+        yield [*outputs, moved]
+
+    async def read() -> tuple[list, Exception]:
+        got = []
+        with pytest.raises(Exception) as failure:
+            async for batch in backend._followed(request, d_stream(), None):
+                got += batch
+        return got, failure.value
+
+    got, error = asyncio.run(read())
+    assert got == outputs  # what D made before the move reached the client
+    assert replica_failed(error) and resumes(error, 0, 2)  # token replay (deployments/ingress/migration.py)
+    assert backend.moves == Counter({"choices": 1, "bytes": moved.nbytes, "failed": 1})
+    assert source.blocks.counts().held == 0

@@ -41,7 +41,10 @@ class Fake(KVConnector):
     async def claim(self, call, watch):
         raise NotImplementedError
 
-    def adopt(self, data):
+    def export(self, data):
+        raise NotImplementedError
+
+    async def adopt(self, handle):
         raise NotImplementedError
 
     def release(self, reply):

@@ -14,7 +14,8 @@ replica, where Ray Serve routes it:
 
 A replica that Serve drains (scale-down, redeploy) does not fail its requests: it moves them
 (``moved_leg``). Each running choice goes on on another D from its KV, tokens so far and sampler
-state (engine/running_export.py), through the KV hand-off P's KV takes: nothing is computed again.
+state (engine/running_export.py), through the KV hand-off P's KV takes, by reference (the KV
+connector's ``export`` and ``adopt``): nothing is computed again.
 The leg is the resumed request token replay would send, so a move that fails (no D takes it, its
 KV fetch fails) falls back to token replay with nothing else to change.
 
@@ -85,8 +86,9 @@ def resume_legs(request: GenerationRequest, so_far: list[ChoiceSoFar], migration
 def moved_leg(request: GenerationRequest, choice: MovedChoice, move: int) -> tuple[GenerationRequest, PrefillResult]:
     """The request that carries ``choice`` of ``request`` on after its ``move``-th move, and the
     hand-off its D starts from: the resumed request of token replay (its tokens but the last as
-    resumed output, its seed), whose first token is the last one the client has, and whose KV
-    comes with the hand-off (the choice is its only one, index 0)."""
+    resumed output, its seed), whose first token is the last one the client has, and whose KV's
+    metadata comes with the hand-off (the choice is its only one, index 0); its bytes too unless
+    they went by reference (``choice.kv``)."""
     params = replace(request.params, seed=choice.seed, prompt_logprobs=None, return_context_logits=False)
     leg = replace(request, request_id=f"{request.request_id}.v{move}.{choice.index}", params=params, n=1,
                   resumed_output_ids=choice.output_ids[:-1], resumed_logprob=choice.cumulative_logprob)

@@ -93,8 +93,11 @@ class PDBackend:
     request's D stream ends with a ``Moved`` (each running choice's KV, tokens so far and sampler
     state), and each choice goes on on another D, routed as any decode (the draining one is out of
     Serve's routing), as a resumed request whose KV comes through the KV connector (``_followed``):
-    the client's stream goes on unbroken, nothing is computed again. A move whose new D does not
-    take over (lease, KV fetch) fails as any decode does, and migration replays the tokens."""
+    the client's stream goes on unbroken, nothing is computed again. The ``Moved`` carries each
+    choice's KV by reference (the connector's ``export`` on D, ``adopt`` here: the ingress owns it
+    from then on, as it owns P's). A move whose KV is gone (the draining D's process ended before
+    the ingress took it over) or whose new D does not take over (lease, KV fetch) fails as any
+    decode does, and migration replays the tokens."""
 
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, kv_lease_s: float,
                  stall_timeout_s: float, policy: DisaggregationPolicy, kv: KVConnector | None = None,
@@ -250,13 +253,13 @@ class PDBackend:
     async def _moved_choice(self, request: GenerationRequest, choice: MovedChoice, move: int,
                             trace: RequestTrace | None) -> AsyncIterator[list[RequestOutput]]:
         """One moved choice on the D that takes it (``decode_step``: the KV lease, the connector), its
-        outputs as ``request``'s choice."""
+        outputs as ``request``'s choice. Its KV came by reference: the ingress takes it over first,
+        at once (the draining D's process may end once its requests have left it)."""
         leg, handoff = moved_leg(request, choice, move)
-        data = handoff.kv.data
-        reply = PrefillReply([], replace(handoff, kv=replace(handoff.kv, data=None)), self.kv.adopt(data))
         self.moves["choices"] += 1
-        self.moves["bytes"] += data.nbytes
+        self.moves["bytes"] += choice.nbytes
         try:
+            reply = PrefillReply([], handoff, await self.kv.adopt(choice.kv))
             async with aclosing(self._followed(leg, self.decode_step(leg, reply, trace), trace, move)) as batches:
                 async for batch in batches:
                     yield [replace(o, request_id=request.request_id, index=choice.index) for o in batch]

@@ -21,7 +21,11 @@ The engine's side of the hand-off (D allocates blocks before the bytes move, the
 ``RECEIVING``, ``receive_kv``, aborts free the blocks) is in engine/ and knows no transport. The
 transports: Ray's object store here (``ObjectStoreConnector``), POSIX shared memory in
 deployments/pd/kv_direct.py; an app picks one with ``kv_transport`` (``make_kv_connector``). Another
-transport implements ``KVConnector``'s five methods; the engine, the servers and the ingress stay as they are.
+transport implements ``KVConnector``'s six methods; the engine, the servers and the ingress stay as they are.
+
+A running request that a draining D moves to another D (engine/running_export.py) takes the same
+road, its KV by reference too: the draining D ``export``s the bytes and sends their handle in its
+``Moved``; the ingress ``adopt``s them, i.e. owns them from there as it owns P's; the new D ``load``s them.
 """
 
 from __future__ import annotations
@@ -124,9 +128,17 @@ class KVConnector(ABC):
         the ingress owns them from here."""
 
     @abstractmethod
-    def adopt(self, data: np.ndarray) -> list:
-        """The ingress: a handle it owns, as ``claim``'s, to KV bytes [L, 2, T, Hkv, D] that reached it
-        by value (a running request moved off a draining D: deployments/pd/backends.py), for ``PrefillReply.kv``."""
+    def export(self, data: np.ndarray) -> Any:
+        """A draining D: KV bytes [L, 2, T, Hkv, D] of a running request it moves (engine/running_export.py),
+        put where the ingress can take them over, and their handle, small, to send in the ``Moved``
+        instead of the bytes. The handle stays valid at least while this process lives: the ingress
+        must ``adopt`` it before then (a draining D outlives its last request by its channel's linger)."""
+
+    @abstractmethod
+    async def adopt(self, handle: Any) -> list:
+        """The ingress: ownership of moved KV bytes, from ``export``'s ``handle`` (deployments/pd/backends.py),
+        as a handle it owns as ``claim``'s, for ``PrefillReply.kv``. A replica failure (the request's
+        tokens are replayed) when the bytes are gone: the draining D's process ended first."""
 
     @abstractmethod
     def release(self, reply: PrefillReply) -> None:
@@ -167,8 +179,15 @@ class ObjectStoreConnector(KVConnector):
         async with aclosing(watch(resolved())) as replies:
             return await anext(replies)
 
-    def adopt(self, data: np.ndarray) -> list:
-        return [ray.put(data)]  # owned by the ingress, freed with its last reference as P's item is
+    def export(self, data: np.ndarray) -> ray.ObjectRef:
+        return ray.put(data)  # owned by the draining D: the object goes with its process
+
+    async def adopt(self, handle: ray.ObjectRef) -> list:
+        """A copy of D's object, owned by the ingress (freed with its last reference, as P's item
+        is): Ray 2.56 removed ``ray.put(_owner=...)``, and no call reaches a D that Serve drains,
+        so the ingress cannot own D's object itself. The read is zero-copy on D's node; an
+        OwnerDiedError (a replica failure) when D's process ended first."""
+        return [ray.put(await handle)]
 
     def release(self, reply: PrefillReply) -> None:
         reply.kv.clear()

@@ -9,7 +9,8 @@ Ray Direct Transport does not fit Serve replicas (async actors; docs/serving.md 
 Ownership, as the object store's references give it (the failure contract, docs/serving.md):
 
 - P creates ``pdserve-kv-p<P's pid>-<id>`` and replies with its ``KVSegment``; the segment is a
-  file, so it outlives P's process;
+  file, so it outlives P's process (a draining D writes a moved request's KV as P does, and its
+  ``Moved`` carries the ``KVSegment``: ``export``, ``adopt``);
 - the ingress's ``claim`` renames it ``pdserve-kv-i<ingress pid>-<id>`` and holds a
   ``SegmentLease``: the lease unlinks the segment when it is dropped, i.e. when the request is
   over on the ingress however it ended (finished, client gone, lease expired, D failed);
@@ -116,8 +117,11 @@ class SharedMemoryConnector(KVConnector):
             reply.kv = [SegmentLease(_claimed(reply.kv[0]))]
         return reply
 
-    def adopt(self, data: np.ndarray) -> list:
-        return [SegmentLease(_claimed(write_segment(data)))]  # written here, owned here: as a claimed segment
+    def export(self, data: np.ndarray) -> KVSegment:
+        return write_segment(data)  # named by the draining D's pid, as P's: a sweep takes it once D is gone
+
+    async def adopt(self, handle: KVSegment) -> list:
+        return [SegmentLease(_claimed(handle))]  # KVSegmentGone if a sweep took it first (D ended)
 
     def release(self, reply: PrefillReply) -> None:
         """A no-op: the ingress keeps its lease until the request is over, since a D that dies

@@ -340,11 +340,13 @@ class DecodeServer(_KVServer):
 
     async def _metered(self, batches: AsyncIterator[list]) -> AsyncIterator[list]:
         """_StreamingServer's, for D's items: a KV fetch's record is not metered, and a request's
-        ``Moved`` (its last item) is stamped with this replica."""
+        ``Moved`` (its last item) is stamped with this replica, its KV sent by reference (the KV
+        connector's ``export``: the channel's item stays small, far below Serve's gRPC message limit)."""
         previous = None  # when the stream sent its last batch
         async for batch in batches:
             if isinstance(batch[-1], Moved):
                 batch[-1].replica = replica_id()
+                batch[-1].by_reference(self.kv.export)
             outputs = [item for item in batch if not isinstance(item, (Moved, KVTransfer))]
             if outputs:
                 previous = self.meter.sent(outputs, previous)
