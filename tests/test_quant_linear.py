@@ -218,7 +218,7 @@ def test_a_linear_of_mixed_segments_and_a_bias(ext):
 def test_many_rows_outside_invariant_mode_multiply_the_dequantized_weight(ext, dtype, monkeypatch):
     """Above DEQUANTIZE_ROWS rows: W dequantized to the rows' dtype (float32 where the CPU has no
     bfloat16 dot product) and torch's GEMM; a map wider than DEQUANTIZE_BLOCK_VALUES weights in
-    blocks of W's rows, crossing its segments' bounds, with the same result as whole."""
+    blocks of W's rows within each segment, with the same result as whole."""
     parts = [(Q.Q8_0, blocks(Q.Q8_0, 64, 256)), (Q.Q4_1, blocks(Q.Q4_1, 40, 256, 1)),
              (Q.Q6_K, blocks(Q.Q6_K, 24, 256, 2))]
     layer = QuantizedLinear(parts, 256, bias=True).to(dtype)  # the bias in the model's dtype, as loaded
@@ -230,7 +230,7 @@ def test_many_rows_outside_invariant_mode_multiply_the_dequantized_weight(ext, d
     expected = torch.nn.functional.linear(x.to(product_dtype), rounded).to(dtype) + layer.bias
     whole = layer(x)
     assert whole.dtype == dtype and torch.equal(whole, expected)
-    monkeypatch.setattr(linear_module, "DEQUANTIZE_BLOCK_VALUES", 48 * 256)  # blocks of 48 rows: 48, 16 + 32, ...
+    monkeypatch.setattr(linear_module, "DEQUANTIZE_BLOCK_VALUES", 48 * 256)  # blocks of <= 48 rows: 48 + 16, 40, 24
     blocked = layer(x)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert (blocked.double() - whole.double()).abs().max() <= tolerance * whole.double().abs().max()
