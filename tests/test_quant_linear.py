@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.execution.loader import cpu_flags
-from engine.execution.quant import kernels, reference
+from engine.execution.quant import kernels, linear as linear_module, reference
 from engine.execution.quant.linear import DEQUANTIZE_ROWS, QuantizedEmbedding, QuantizedLinear
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]
@@ -60,6 +60,16 @@ def bf16_dot(ext) -> bool:
 def test_dequantized_rows_are_the_gguf_packages_bits(ext, quant_type):
     raw = blocks(quant_type, 7, 512)
     assert torch.equal(ext.dequantize_rows(raw, int(quant_type), 512), reference.dequantize(raw, quant_type))
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+def test_dequantized_into_bfloat16_is_the_packages_weight_rounded_to_nearest_even(ext, quant_type):
+    raw = blocks(quant_type, 7, 512)
+    weight = torch.empty(9, 512, dtype=torch.bfloat16)
+    ext.dequantize_into(raw, int(quant_type), weight[1:8])  # a contiguous block of rows of a larger buffer
+    assert torch.equal(weight[1:8], reference.dequantize(raw, quant_type).bfloat16())
+    with pytest.raises(RuntimeError, match=r"out \[R, K\] float32 or bfloat16"):
+        ext.dequantize_into(raw, int(quant_type), torch.empty(7, 512, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("quant_type, n, k", [(t, n, k) for t in TYPES for n, k in SHAPES
@@ -170,6 +180,9 @@ def test_each_isa_build_gives_the_native_builds_bits(ext, isa):
         assert torch.equal(run(other, x, raw, quant_type), run(ext, x, raw, quant_type)), quant_type.name
         assert torch.equal(other.dequantize_rows(raw, int(quant_type), 512),
                            ext.dequantize_rows(raw, int(quant_type), 512))
+        for build in (other, ext):
+            build.dequantize_into(raw, int(quant_type), weight := torch.empty(13, 512, dtype=torch.bfloat16))
+            assert torch.equal(weight, reference.dequantize(raw, quant_type).bfloat16()), quant_type.name
     for quant_type in GEMV_TYPES:  # the integer kernel: the same integers, the same float32 order
         for n, k in GEMV_SHAPES:
             raw = blocks(quant_type, n, k)
@@ -199,6 +212,30 @@ def test_a_linear_of_mixed_segments_and_a_bias(ext):
         assert (layer(x, invariant).double() - expected).abs().max() <= 1e-4 * expected.abs().max()
     x = torch.randn(DEQUANTIZE_ROWS + 5, 256)
     assert torch.equal(layer(x, invariant=True)[4:5], layer(x[4:5]))  # the kernel at every size in invariant mode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_outside_invariant_mode_multiply_the_dequantized_weight(ext, dtype, monkeypatch):
+    """Above DEQUANTIZE_ROWS rows: W dequantized to the rows' dtype (float32 where the CPU has no
+    bfloat16 dot product) and torch's GEMM; a map wider than DEQUANTIZE_BLOCK_VALUES weights in
+    blocks of W's rows within each segment, with the same result as whole."""
+    parts = [(Q.Q8_0, blocks(Q.Q8_0, 64, 256)), (Q.Q4_1, blocks(Q.Q4_1, 40, 256, 1)),
+             (Q.Q6_K, blocks(Q.Q6_K, 24, 256, 2))]
+    layer = QuantizedLinear(parts, 256, bias=True).to(dtype)  # the bias in the model's dtype, as loaded
+    torch.nn.init.normal_(layer.bias)
+    weight = torch.cat([reference.dequantize(raw, t) for t, raw in parts])  # [128, 256]
+    x = torch.randn(DEQUANTIZE_ROWS + 3, 256).to(dtype)
+    product_dtype = dtype if ext.has_bf16_dot() else torch.float32
+    rounded = weight.to(product_dtype)
+    expected = torch.nn.functional.linear(x.to(product_dtype), rounded).to(dtype) + layer.bias
+    whole = layer(x)
+    assert whole.dtype == dtype and torch.equal(whole, expected)
+    monkeypatch.setattr(linear_module, "DEQUANTIZE_BLOCK_VALUES", 48 * 256)  # blocks of <= 48 rows: 48 + 16, 40, 24
+    blocked = layer(x)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (blocked.double() - whole.double()).abs().max() <= tolerance * whole.double().abs().max()
+    exact = x.double() @ weight.double().t() + layer.bias.double()  # W's bfloat16 rounding within the tolerance
+    assert (blocked.double() - exact).abs().max() <= 2 * tolerance * exact.abs().max()
 
 
 def test_one_bfloat16_row_takes_the_integer_kernel_outside_invariant_mode(ext):

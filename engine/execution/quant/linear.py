@@ -6,11 +6,13 @@ multiplied by its type's kernel into its columns of one float32 output. Quantize
 token table, looked up row by row, and the tied LM head.
 
 Which path: the kernel, whose order per output depends on nothing but K (the same bits for a row
-in any batch), for bfloat16 rows on an AVX512-BF16 CPU (two weights per lane and instruction:
-1.2-1.3x torch's bf16 GEMM time at 32-128 rows), and for float32 rows in steps of up to
-DEQUANTIZE_ROWS rows or in batch-invariant mode. Larger float32 steps outside that mode (prefill
-chunks) dequantize the weight once per call and multiply with torch's GEMM, faster there than the
-kernel's float32 multiply-adds (1.1x at 32 rows, 1.8x at 128; benchmarks/RESULTS.md, issue 57).
+in any batch), in batch-invariant mode and for steps of up to DEQUANTIZE_ROWS rows (bfloat16 rows as
+they are on an AVX512-BF16 CPU, two weights per lane and instruction; float32 rows otherwise). Larger
+steps outside that mode (prefill chunks, wide batches) dequantize the weight once per call, to
+bfloat16 where the CPU multiplies it natively, else to float32, and multiply with torch's GEMM
+(oneDNN: AMX where present), faster there than the kernel's per-tile decode (float32: 1.1x at 32
+rows, 1.8x at 128 on the EPYC; bfloat16: 1.8x at 32 rows, 4.5x at 128 on the AMX Xeon;
+benchmarks/RESULTS.md, issue 57).
 One bfloat16 row (a single stream's decode step) outside batch-invariant mode, over Q4_0 / Q4_1 /
 Q8_0 weights, takes the integer kernel instead (csrc/quant_gemv.cpp: the row quantized to int8 per
 32 values, as llama.cpp does): a row's bits then differ alone and in a batch, which only the
@@ -37,7 +39,17 @@ def uses_triton(raw: torch.Tensor) -> bool:
     return raw.device.type == "cuda"
 
 
-DEQUANTIZE_ROWS = 16  # float32 rows: the kernel was faster up to 16, torch's GEMM from 32 (the EPYC, Q4_1 3072 x 576)
+# Above this many rows outside batch-invariant mode (prefill chunks, wide batches) the weight is
+# dequantized once per call and multiplied by torch's GEMM. float32: the kernel was faster up to 16,
+# torch's GEMM from 32 (the EPYC, Q4_1 3072 x 576). bfloat16 on a CPU that multiplies it natively:
+# W decoded to bfloat16 + oneDNN's bf16 GEMM (AMX where present) took 0.67 / 0.78 / 1.14 ms against
+# the kernel's 0.85 / 1.41 / 5.10 ms for a SmolLM2-135M layer's four maps at 16 / 32 / 128 rows
+# (the AMX Xeon, best of 9 on a loaded box; benchmarks/RESULTS.md, issue 57 session 7).
+DEQUANTIZE_ROWS = 16
+# Weights dequantized at once for that product (4 MB in bfloat16): a wider map (the LM head) goes in
+# blocks of W's rows through one buffer that stays in cache (SmolLM2's tied Q8_0 head at 17 rows:
+# 5.7 ms against 7.4-24.7 ms dequantized whole, and the kernel's 6.8-7.4 ms).
+DEQUANTIZE_BLOCK_VALUES = 1 << 21
 
 
 class QuantizedLinear(nn.Module):
@@ -66,43 +78,69 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
 
     def raws(self) -> list[torch.Tensor]:
-        return [getattr(self, f"raw{i}") for i in range(len(self.types))]
+        buffers = self._buffers  # not getattr: nn.Module's lookup costs ~0.5 us a name, 121 maps a decode step
+        return [buffers[f"raw{i}"] for i in range(len(self.types))]
 
     def stored_bytes(self) -> int:
         return sum(raw.numel() for raw in self.raws())
 
-    def dequantized(self) -> torch.Tensor:
-        """W [out, in] float32."""
-        return torch.cat([dequantize_rows(raw, quant_type, self.in_features)
-                          for quant_type, raw in zip(self.types, self.raws())])
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [out, in] in float32, or on the CPU in bfloat16 (the float32 weights rounded to nearest even)."""
+        if uses_triton(self.raw0):
+            return torch.cat([dequantize_rows(raw, quant_type, self.in_features)
+                              for quant_type, raw in zip(self.types, self.raws())])
+        weight = torch.empty(self.out_features, self.in_features, dtype=dtype)
+        start = 0
+        for quant_type, raw, size in zip(self.types, self.raws(), self.sizes):  # each segment into its rows
+            kernels.build().dequantize_into(raw, int(quant_type), weight.narrow(0, start, size))
+            start += size
+        return weight
+
+    def _dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] (float32 or bfloat16) @ W^T by torch's GEMM, W dequantized to x's dtype on the CPU:
+        whole when it has at most DEQUANTIZE_BLOCK_VALUES weights ([M, out]), else block by block into
+        one buffer that stays in cache (a wide LM head: [M, out], a transposed view)."""
+        rows_per_block = max(1, DEQUANTIZE_BLOCK_VALUES // self.in_features)
+        if self.out_features <= rows_per_block:
+            return F.linear(x, self.dequantized(x.dtype))
+        out = x.new_empty(self.out_features, x.shape[0])  # [out, M]: each block's product lands in its rows
+        buffer = x.new_empty(rows_per_block, self.in_features)
+        start = 0
+        for quant_type, raw, size in zip(self.types, self.raws(), self.sizes):
+            for first in range(0, size, rows_per_block):
+                count = min(rows_per_block, size - first)
+                weight = buffer[:count]
+                kernels.build().dequantize_into(raw[first:first + count], int(quant_type), weight)
+                torch.mm(weight, x.t(), out=out[start + first:start + first + count])
+            start += size
+        return out.t()
 
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [M, in] -> [M, out] in x's dtype, summed in float32."""
-        if uses_triton(self.raw0):
+        raws = self.raws()
+        if uses_triton(raws[0]):
             from engine.execution.quant import triton_linear  # triton: on CUDA (a CUDA build of torch brings it)
 
             out = x.new_empty(x.shape[0], self.out_features, dtype=torch.float32)  # [M, out]: segments fill columns
             start = 0
-            for quant_type, raw, size in zip(self.types, self.raws(), self.sizes):
+            for quant_type, raw, size in zip(self.types, raws, self.sizes):
                 triton_linear.linear(x, raw, quant_type, out.narrow(1, start, size))
                 start += size
             out = out.to(x.dtype)
             return out + self.bias if self.bias is not None else out
         ext = kernels.build()
-        if x.dtype == torch.bfloat16 and x.shape[0] == 1 and self.integer_gemv and not invariant:
+        if x.shape[0] == 1 and self.integer_gemv and x.dtype == torch.bfloat16 and not invariant:
             out = x.new_empty(1, self.out_features)  # [1, out] bfloat16, written by the kernel
-            ext.quant_gemv(x.contiguous(), self.raws(), self.type_numbers, out)
+            ext.quant_gemv(x.contiguous(), raws, self.type_numbers, out)
             return out + self.bias if self.bias is not None else out
-        if x.dtype == torch.bfloat16 and ext.has_bf16_dot():
-            rows = x.contiguous()  # the kernel multiplies bfloat16 rows as they are
-        else:
-            rows = x.float().contiguous()
-            if rows.shape[0] > DEQUANTIZE_ROWS and not invariant:
-                out = F.linear(rows, self.dequantized()).to(x.dtype)
-                return out + self.bias if self.bias is not None else out
+        bf16_dot = x.dtype == torch.bfloat16 and ext.has_bf16_dot()  # the CPU multiplies bfloat16 natively
+        if x.shape[0] > DEQUANTIZE_ROWS and not invariant:  # W decoded once, then torch's GEMM
+            out = self._dequantized_product(x) if bf16_dot else self._dequantized_product(x.float()).to(x.dtype)
+            return out + self.bias if self.bias is not None else out
+        rows = x.contiguous() if bf16_dot else x.float().contiguous()  # the kernel multiplies bfloat16 rows as they are
         out = rows.new_empty(x.shape[0], self.out_features, dtype=torch.float32)  # [M, out]: segments fill columns
         start = 0
-        for quant_type, raw, size in zip(self.types, self.raws(), self.sizes):
+        for quant_type, raw, size in zip(self.types, raws, self.sizes):
             ext.quant_linear(rows, raw, int(quant_type), out.narrow(1, start, size))
             start += size
         out = out.to(x.dtype)

@@ -4,6 +4,7 @@
 //   quant_linear(x, raw, type, K, out):  out[M, N] = x[M, K] (float32) @ W^T, W [N, K] held as raw
 //       [N, row bytes] GGUF blocks of `type` (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)
 //   dequantize_rows(raw, type, K):       float32 [R, K] of raw [R, row bytes] (the embedding's rows)
+//   dequantize_into(raw, type, out):     the same into out [R, K], float32 or bfloat16 (rounded to nearest even)
 //   quant_gemv(x, raws, types, out):     one row in integer arithmetic (quant_gemv.cpp, bound here)
 //
 // Each 32 weights are decoded from their block into float32 (the gguf package's operations in its
@@ -342,13 +343,23 @@ void linear_columns(const X* x, int64_t ldx, const uint8_t* raw, int64_t row_byt
 
 template <int T>
 void dequantize_range(const uint8_t* raw, int64_t row_bytes, float* out, int64_t K, int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; ++i)
-    for (int64_t g = 0; g < K / 32; ++g) {
-      V16 w0, w1;
-      decode32<T>(raw + i * row_bytes, g, w0, w1);
-      vstore(out + i * K + 32 * g, w0);
-      vstore(out + i * K + 32 * g + 16, w1);
-    }
+  for (int64_t i = begin; i < end; ++i) decode_row<T>(raw + i * row_bytes, K, out + i * K);
+}
+
+// bfloat16 rows: the float32 decode rounded to nearest even (torch's cast of the dequantized weight;
+// the bfloat16 kernel's own decode_row where the CPU has AVX512-BF16, the same bits).
+template <int T>
+void dequantize_range(const uint8_t* raw, int64_t row_bytes, c10::BFloat16* out, int64_t K, int64_t begin,
+                      int64_t end) {
+#ifdef PDSERVE_BF16_DOT
+  for (int64_t i = begin; i < end; ++i) decode_row<T>(raw + i * row_bytes, K, out + i * K);
+#else
+  std::vector<float> buf(K);
+  for (int64_t i = begin; i < end; ++i) {
+    decode_row<T>(raw + i * row_bytes, K, buf.data());
+    for (int64_t k = 0; k < K; ++k) out[i * K + k] = c10::BFloat16(buf[k]);
+  }
+#endif
 }
 
 template <typename F>
@@ -411,17 +422,27 @@ void quant_linear(const torch::Tensor& x, const torch::Tensor& raw, int64_t type
   });
 }
 
-torch::Tensor dequantize_rows(const torch::Tensor& raw, int64_t type, int64_t K) {
+void dequantize_into(const torch::Tensor& raw, int64_t type, torch::Tensor out) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == raw.size(0) && out.is_contiguous() &&
+              (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "dequantize_into: out [R, K] float32 or bfloat16, contiguous");
+  const int64_t K = out.size(1);
   check_raw(raw, type, K);
-  auto out = torch::empty({raw.size(0), K}, raw.options().dtype(at::kFloat));
   const uint8_t* wp = raw.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
   by_type(type, [&](auto t) {
     constexpr int T = decltype(t)::value;
     at::parallel_for(0, raw.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K)), [&](int64_t begin, int64_t end) {
-      dequantize_range<T>(wp, raw.size(1), op, K, begin, end);
+      if (out.scalar_type() == at::kFloat)
+        dequantize_range<T>(wp, raw.size(1), out.data_ptr<float>(), K, begin, end);
+      else
+        dequantize_range<T>(wp, raw.size(1), reinterpret_cast<c10::BFloat16*>(out.data_ptr()), K, begin, end);
     });
   });
+}
+
+torch::Tensor dequantize_rows(const torch::Tensor& raw, int64_t type, int64_t K) {
+  auto out = torch::empty({raw.size(0), K}, raw.options().dtype(at::kFloat));
+  dequantize_into(raw, type, out);
   return out;
 }
 
@@ -437,5 +458,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("has_bf16_dot", &has_bf16_dot, "whether quant_linear takes bfloat16 x (AVX512-BF16 build)");
   m.def("dequantize_rows", &dequantize_rows, "raw [R, row bytes] GGUF blocks -> float32 [R, K]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_into", &dequantize_into, "raw [R, row bytes] GGUF blocks -> out [R, K] float32 or bfloat16",
         py::call_guard<py::gil_scoped_release>());
 }
