@@ -121,13 +121,17 @@ bench-vllm: install .venv-vllm/.installed
 LLAMACPP_PY  := llama_cpp_python-0.3.36
 LLAMACPP     := build/llamacpp
 LLAMACPP_BIN := $(LLAMACPP)/build/bin/llama-server
+# Built without ggml's AMX kernels: GGML_NATIVE compiles them in on an AMX CPU, and on the VMs we run on
+# its first matmul faults there (`tilezero`, issue 57 session 7); llama.cpp then runs its AVX-512/VNNI
+# path, which benchmarks/RESULTS.md names where the CPU has AMX.
+LLAMACPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 $(LLAMACPP_BIN): | $(STAMP)
 	mkdir -p $(LLAMACPP)
 	$(PY) -m pip download --quiet --no-deps --no-binary=:all: --dest $(LLAMACPP) llama-cpp-python==0.3.36
 	tar xzf $(LLAMACPP)/$(LLAMACPP_PY).tar.gz -C $(LLAMACPP)
 	cmake -S $(LLAMACPP)/$(LLAMACPP_PY)/vendor/llama.cpp -B $(LLAMACPP)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
 	  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-	  -DLLAMA_BUILD_SERVER=ON
+	  -DLLAMA_BUILD_SERVER=ON -DCMAKE_C_FLAGS="$(LLAMACPP_NO_AMX)" -DCMAKE_CXX_FLAGS="$(LLAMACPP_NO_AMX)"
 	cmake --build $(LLAMACPP)/build --target llama-server -j $$(nproc)
 
 bench-llamacpp: install $(LLAMACPP_BIN)
