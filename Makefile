@@ -7,7 +7,8 @@ UV     := uv==0.13.9
 # torch needs setuptools >= 77 (its C++ extension builder imports it), and pip freeze leaves it out of the lock.
 SETUPTOOLS := setuptools==84.2.1
 
-.PHONY: install lock serve browser redis test bench bench-vllm bench-llamacpp clean mutants mutants-report
+.PHONY: install lock serve browser redis test test-build-attention test-build-quant test-build-fused
+.PHONY: bench bench-vllm bench-llamacpp clean mutants mutants-report
 
 # `make install` (what `make serve` and `make test` run first): the packages, the kernels and the model,
 # each independent step beside the others (a make of its own with -j): torch's unpacking beside uv's
@@ -89,14 +90,24 @@ browser:
 redis:
 	test -x /usr/bin/redis-server || { $(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server; }
 
-# The attention kernel and the quantized linear layers in each other instruction set, which
-# tests/test_attention_backends.py and tests/test_quant_linear.py compare with the native build (a minute
-# each on 2 cores): built by `make test` before the suite (a build already in torch's extension cache is
-# only loaded), not by `make install`: serving runs the native builds alone.
+# The kernels in each other instruction set this CPU runs, which the tests compare with the native
+# builds (the attention kernel: tests/test_attention_backends.py; the quantized linear layers:
+# tests/test_quant_linear.py; the invariant matmul without AVX-512: tests/test_invariant_linear.py),
+# a minute each on 2 cores: built by `make test` before the suite, two at a time (the attention
+# builds are one file each, one core each), not in a test worker beside the served one (a build
+# already in torch's extension cache is only loaded); not by `make install`: serving runs the native
+# builds alone.
+TEST_BUILDS := test-build-attention test-build-quant test-build-fused
 test: install browser redis
-	$(PY) benchmarks/kernel_isa_paths.py --build-only
-	$(PY) -c "from engine.execution.quant import kernels; [kernels.build(isa) for isa in kernels.ISA_FLAGS if isa != 'native']"
+	$(MAKE) --no-print-directory -j 2 --output-sync=target $(TEST_BUILDS)
 	$(PY) -m pytest -q -n 2
+
+test-build-attention:
+	$(PY) benchmarks/kernel_isa_paths.py --build-only
+test-build-quant:
+	$(PY) -c "from engine.execution.quant import kernels; [kernels.build(isa) for isa in kernels.ISA_FLAGS if isa != 'native']"
+test-build-fused:
+	$(PY) -c "from engine.execution import fused_ops, loader; 'avx2' in loader.cpu_flags() and fused_ops.extension('avx2')"
 
 bench: install
 	$(PY) benchmarks/engine_throughput.py --json benchmarks/engine_throughput.json

@@ -63,7 +63,7 @@ def test_the_default_by_cpu_and_dtype(wide_model, monkeypatch, flags, native):
     """On the CPU: on in float32; in bf16 where bf16 is not multiplied natively, and where it is,
     when the invariant GEMM runs on the CPU's bf16 dot product (this build has it where this CPU
     has AVX512-BF16) and the weights are in bf16, not kept quantized. fp16 on such a CPU: off. The
-    environment's 1 or 0 overrides; torch_sdpa is never invariant."""
+    environment's 1 or 0 overrides (test_the_environment_overrides_the_default)."""
     monkeypatch.setattr(loader, "cpu_flags", lambda: flags)
     cpu = torch.device("cpu")
     dot_gemm = fused_ops.extension().invariant_linear_bf16_dot()
@@ -76,6 +76,12 @@ def test_the_default_by_cpu_and_dtype(wide_model, monkeypatch, flags, native):
     monkeypatch.delenv("PDSERVE_BATCH_INVARIANT", raising=False)
     no_mode = dict(batch_invariant=None)  # wide_engine: bf16
     assert wide_engine(wide_model, **no_mode).runner.batch_invariant == bf16_default
+
+
+def test_the_environment_overrides_the_default(wide_model, monkeypatch):
+    """PDSERVE_BATCH_INVARIANT=1 or 0 decides whatever the CPU (the flags do not enter: one engine
+    each, not one per CPU of test_the_default_by_cpu_and_dtype); torch_sdpa is never invariant."""
+    no_mode = dict(batch_invariant=None)  # wide_engine: bf16
     monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", "1")
     assert wide_engine(wide_model, **no_mode).runner.batch_invariant
     no_key_order = wide_engine(wide_model, attention_backend="torch_sdpa", **no_mode)

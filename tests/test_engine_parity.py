@@ -1,5 +1,8 @@
 """Greedy parity with transformers' generate(), colocated and split across two engines."""
 
+import copy
+import functools
+
 import pytest
 import torch
 
@@ -79,7 +82,17 @@ def test_parity_holds_under_preemption(model_dirs, references):
 
 
 def hf_greedy_with_top(model_dir, prompt_ids: list[list[int]], dtype: torch.dtype, top: int = 5):
-    """transformers' greedy tokens and, per step, the ids of its top ``top`` log probabilities."""
+    """transformers' greedy tokens and, per step, the ids of its top ``top`` log probabilities.
+    Computed once per model directory, prompts and dtype in a session (test_engine_parity,
+    test_attention_backends and test_triton_attention compare with the same float32 references);
+    each caller gets its own copy."""
+    prompts_key = tuple(tuple(p) for p in prompt_ids)
+    return copy.deepcopy(transformers_greedy_once(str(model_dir), prompts_key, dtype, top))
+
+
+@functools.cache
+def transformers_greedy_once(model_dir: str, prompt_ids: tuple[tuple[int, ...], ...], dtype: torch.dtype,
+                             top: int) -> list[tuple[list[int], list[set[int]]]]:
     model = load_hf(model_dir, dtype)
     results = []
     for p in prompt_ids:
