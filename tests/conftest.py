@@ -30,6 +30,13 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist two workers share two cores with the served apps' replicas: with torch's default of one
+# intra-op thread per core, each worker's threads mostly wait on each other (test_attention_backends alone on
+# the loaded box: 69-81 s with two threads, 5.6 s with one; issue 53, session 7). One thread per worker; a
+# test about thread counts sets both of its counts. Not OMP_NUM_THREADS: Ray's processes, started from this
+# one, would inherit it, and the replicas' threads are their apps' setting.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 from tests import memory, workers  # noqa: E402
 from tests.models import ARCHITECTURES, llama_head_128, make_random_model  # noqa: E402
