@@ -44,15 +44,14 @@ def serve_session(num_cpus: int | None = None, address: str | None = None):
 
     if num_cpus is None and address is None:
         url = shared_url()
-        before = set(serve.status().applications)
+        before = app_names()  # not those still being deleted: this module may deploy one of their names again
         try:
             yield url
         finally:
-            leaving = set(serve.status().applications) - before - _shared["kept"]
-            for name in leaving:  # all at once: one at a time, each waits out its replicas' shutdown
+            # Deleted, not waited for: the next module goes on while these replicas stop (5 to 7 s of
+            # waiting a module); a deploy of the same name waits for the deletion first (``deploy``).
+            for name in app_names() - before - _shared["kept"]:
                 serve.delete(name, _blocking=False)
-            assert wait_until(lambda: not leaving & set(serve.status().applications), 180, 0.5), \
-                f"not deleted after 180 s: {leaving & set(serve.status().applications)}"
         return
     stop_shared_session()
     try:
@@ -69,12 +68,39 @@ def deploy(apps: dict, route_prefixes: dict[str, str] | None = None, together: b
     take the 2-core box's 24 GB past Ray's memory threshold, and its monitor kills workers)."""
     from ray import serve
 
+    def deleting() -> set[str]:  # an app of the same name deleted by a module before (``serve_session``)
+        return app_names(deleting=True) & set(apps)
+
+    assert wait_until(lambda: not deleting(), DELETE_S, 0.5), f"still being deleted after {DELETE_S} s: {deleting()}"
     prefixes = route_prefixes or {}
     targets = [serve.RunTarget(target=app, name=name, route_prefix=prefixes.get(name, f"/{name}"))
                for name, app in apps.items()]
     for batch in [targets] if together else [[target] for target in targets]:
         serve.run_many(batch, wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
         wait_running([target.name for target in batch])
+
+
+def versioned(app, version: str = "faults"):
+    """``app`` (a Serve Application) with every deployment at code version ``version``, as Serve
+    gives a config file's app: then a redeploy that changes only replica counts updates the app in
+    place (a scale-down). ``serve.run`` gives a Python app's deployments a random version each time
+    (client.py: ``deployment._version or get_random_string()``), and ``Deployment.options`` no
+    longer takes one, so it is set where that line reads it."""
+    from ray.serve import Application
+
+    deployment = app._bound_deployment
+    deployment._version = version
+    for value in [*deployment.init_args, *deployment.init_kwargs.values()]:
+        if isinstance(value, Application):
+            versioned(value, version)
+    return app
+
+
+def app_names(deleting: bool = False) -> set[str]:
+    """The applications Serve has: those being deleted (``deleting``), or all the others."""
+    from ray import serve
+
+    return {name for name, app in serve.status().applications.items() if (app.status == "DELETING") == deleting}
 
 
 # A deployment that stops getting closer to running fails its setup this many seconds after its last
@@ -87,6 +113,7 @@ DEPLOY_STALL_S = 120
 REPLICA_START_S = 300
 # The other served waits' bounds, each on a condition polled (wait_until), generous for a loaded 2-core
 # box: they end a test that would otherwise hang, they are no verdict on speed (benchmarks/ has those).
+DELETE_S = 180  # an application's deletion: every replica stopped (each waits out its graceful shutdown)
 REPLICA_RESTART_S = 300  # a killed or stuck replica replaced by a running one
 AUTOSCALE_S = 90  # an autoscaled deployment back to its replicas at rest once its load is gone
 HEALTHY_AGAIN_S = 180  # an app's /health answering ok again after a fault
@@ -255,6 +282,13 @@ def migrations(url: str) -> float:
     """The ingress's count of requests moved after a replica failed (pdserve_request_migrations_total)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
     return float(re.search(r"^pdserve_request_migrations_total (\S+)$", text, re.MULTILINE).group(1))
+
+
+def pd_metric(url: str, name: str, labels: str = "") -> float:
+    """A sample of an app's /metrics, ``name{labels}`` (0 when absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.search(rf"^{name}{re.escape('{' + labels + '}') if labels else ''} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
 
 
 def sigkill(process: psutil.Process) -> None:
