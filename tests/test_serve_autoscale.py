@@ -1,4 +1,5 @@
-"""D scales out under a bounded load (16 streams at once) and back to its minimum after it, with no request failing."""
+"""D scales out under a bounded load (16 streams at once) and back to its minimum after it, with no
+request failing."""
 
 import asyncio
 import time
@@ -51,8 +52,7 @@ def test_decode_scales_out_and_back():
             """BURST streams at once, each one that ends followed by a new one, until D has scaled
             out (a new replica takes as long to start as the machine needs, so the load is held
             until then, at most REPLICA_START_S, rather than for a fixed time); then the streams
-            running end. (Waves of 16 x 600 tokens, each waited for whole, held the load up to a
-            wave longer than the scale-out needed.)"""
+            running end (docs/testing.md: waves waited for whole held it up to a wave longer)."""
             done = asyncio.Event()
             watcher = asyncio.create_task(watch(done))
             deadline = time.monotonic() + REPLICA_START_S
