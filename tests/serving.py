@@ -28,8 +28,9 @@ SUITE_CPUS = 16  # logical CPUs of the suite's shared Ray: room for the largest 
 # The suite's one Ray + Serve, shared by every module that needs no Ray of its own: starting Ray and
 # Serve costs ~15 s a module on two cores. Started by the first module that asks, stopped at the end
 # of the session (tests/conftest.py) or when a module starts a Ray of its own (two Rays on one machine
-# collide). "kept" are the applications deployed once for several modules (``kept_app``).
-_shared: dict = {"url": None, "kept": set()}
+# collide). "kept" are the applications deployed once for several modules (``kept_app``), "deleting"
+# the ones a module deleted on its way out that Serve may still list (``app_names``).
+_shared: dict = {"url": None, "kept": set(), "deleting": set()}
 
 
 @contextlib.contextmanager
@@ -52,6 +53,7 @@ def serve_session(num_cpus: int | None = None, address: str | None = None):
             # waiting a module); a deploy of the same name waits for the deletion first (``deploy``).
             for name in app_names() - before - _shared["kept"]:
                 serve.delete(name, _blocking=False)
+                _shared["deleting"].add(name)
         return
     stop_shared_session()
     try:
@@ -97,10 +99,15 @@ def versioned(app, version: str = "faults"):
 
 
 def app_names(deleting: bool = False) -> set[str]:
-    """The applications Serve has: those being deleted (``deleting``), or all the others."""
+    """The applications Serve has: those being deleted (``deleting``), or all the others. Being
+    deleted: Serve says so, or ``serve_session`` asked for it and Serve's status still says what it
+    said before (it catches up at its controller's next loop)."""
     from ray import serve
 
-    return {name for name, app in serve.status().applications.items() if (app.status == "DELETING") == deleting}
+    statuses = serve.status().applications
+    _shared["deleting"] &= set(statuses)  # the ones gone from Serve's list are deleted
+    being_deleted = {name for name, app in statuses.items() if app.status == "DELETING"} | _shared["deleting"]
+    return being_deleted if deleting else set(statuses) - being_deleted
 
 
 # A deployment that stops getting closer to running fails its setup this many seconds after its last
@@ -225,6 +232,7 @@ def stop_shared_session() -> None:
     if _shared["url"] is not None:
         _shared["url"] = None
         _shared["kept"].clear()
+        _shared["deleting"].clear()
         _stop_ray_and_serve()
 
 
