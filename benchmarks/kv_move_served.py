@@ -54,8 +54,7 @@ from ray import serve  # noqa: E402
 from benchmarks.cli import arguments, bench_parser, write_json  # noqa: E402
 from deployments.app import pd_app  # noqa: E402
 from deployments.config import AppArgs  # noqa: E402
-from tests.serving import deploy, migrations, replicas, serve_session, wait_until, work_done  # noqa: E402
-from tests.test_faults import pd_metric, versioned  # noqa: E402
+from tests.serving import deploy, migrations, pd_metric, replicas, serve_session, versioned, wait_until, work_done  # noqa: E402
 
 APP = "kvmove"
 STREAM_TIMEOUT_S = 600  # one stream, start to end

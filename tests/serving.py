@@ -28,8 +28,9 @@ SUITE_CPUS = 16  # logical CPUs of the suite's shared Ray: room for the largest 
 # The suite's one Ray + Serve, shared by every module that needs no Ray of its own: starting Ray and
 # Serve costs ~15 s a module on two cores. Started by the first module that asks, stopped at the end
 # of the session (tests/conftest.py) or when a module starts a Ray of its own (two Rays on one machine
-# collide). "kept" are the applications deployed once for several modules (``kept_app``).
-_shared: dict = {"url": None, "kept": set()}
+# collide). "kept" are the applications deployed once for several modules (``kept_app``), "deleting"
+# the ones a module deleted on its way out that Serve may still list (``app_names``).
+_shared: dict = {"url": None, "kept": set(), "deleting": set()}
 
 
 @contextlib.contextmanager
@@ -44,15 +45,15 @@ def serve_session(num_cpus: int | None = None, address: str | None = None):
 
     if num_cpus is None and address is None:
         url = shared_url()
-        before = set(serve.status().applications)
+        before = app_names()  # not those still being deleted: this module may deploy one of their names again
         try:
             yield url
         finally:
-            leaving = set(serve.status().applications) - before - _shared["kept"]
-            for name in leaving:  # all at once: one at a time, each waits out its replicas' shutdown
+            # Deleted, not waited for: the next module goes on while these replicas stop (5 to 7 s of
+            # waiting a module); a deploy of the same name waits for the deletion first (``deploy``).
+            for name in app_names() - before - _shared["kept"]:
                 serve.delete(name, _blocking=False)
-            assert wait_until(lambda: not leaving & set(serve.status().applications), 180, 0.5), \
-                f"not deleted after 180 s: {leaving & set(serve.status().applications)}"
+                _shared["deleting"].add(name)
         return
     stop_shared_session()
     try:
@@ -69,12 +70,44 @@ def deploy(apps: dict, route_prefixes: dict[str, str] | None = None, together: b
     take the 2-core box's 24 GB past Ray's memory threshold, and its monitor kills workers)."""
     from ray import serve
 
+    def deleting() -> set[str]:  # an app of the same name deleted by a module before (``serve_session``)
+        return app_names(deleting=True) & set(apps)
+
+    assert wait_until(lambda: not deleting(), DELETE_S, 0.5), f"still being deleted after {DELETE_S} s: {deleting()}"
     prefixes = route_prefixes or {}
     targets = [serve.RunTarget(target=app, name=name, route_prefix=prefixes.get(name, f"/{name}"))
                for name, app in apps.items()]
     for batch in [targets] if together else [[target] for target in targets]:
         serve.run_many(batch, wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
         wait_running([target.name for target in batch])
+
+
+def versioned(app, version: str = "faults"):
+    """``app`` (a Serve Application) with every deployment at code version ``version``, as Serve
+    gives a config file's app: then a redeploy that changes only replica counts updates the app in
+    place (a scale-down). ``serve.run`` gives a Python app's deployments a random version each time
+    (client.py: ``deployment._version or get_random_string()``), and ``Deployment.options`` no
+    longer takes one, so it is set where that line reads it."""
+    from ray.serve import Application
+
+    deployment = app._bound_deployment
+    deployment._version = version
+    for value in [*deployment.init_args, *deployment.init_kwargs.values()]:
+        if isinstance(value, Application):
+            versioned(value, version)
+    return app
+
+
+def app_names(deleting: bool = False) -> set[str]:
+    """The applications Serve has: those being deleted (``deleting``), or all the others. Being
+    deleted: Serve says so, or ``serve_session`` asked for it and Serve's status still says what it
+    said before (it catches up at its controller's next loop)."""
+    from ray import serve
+
+    statuses = serve.status().applications
+    _shared["deleting"] &= set(statuses)  # the ones gone from Serve's list are deleted
+    being_deleted = {name for name, app in statuses.items() if app.status == "DELETING"} | _shared["deleting"]
+    return being_deleted if deleting else set(statuses) - being_deleted
 
 
 # A deployment that stops getting closer to running fails its setup this many seconds after its last
@@ -87,6 +120,7 @@ DEPLOY_STALL_S = 120
 REPLICA_START_S = 300
 # The other served waits' bounds, each on a condition polled (wait_until), generous for a loaded 2-core
 # box: they end a test that would otherwise hang, they are no verdict on speed (benchmarks/ has those).
+DELETE_S = 180  # an application's deletion: every replica stopped (each waits out its graceful shutdown)
 REPLICA_RESTART_S = 300  # a killed or stuck replica replaced by a running one
 AUTOSCALE_S = 90  # an autoscaled deployment back to its replicas at rest once its load is gone
 HEALTHY_AGAIN_S = 180  # an app's /health answering ok again after a fault
@@ -198,6 +232,7 @@ def stop_shared_session() -> None:
     if _shared["url"] is not None:
         _shared["url"] = None
         _shared["kept"].clear()
+        _shared["deleting"].clear()
         _stop_ray_and_serve()
 
 
@@ -255,6 +290,13 @@ def migrations(url: str) -> float:
     """The ingress's count of requests moved after a replica failed (pdserve_request_migrations_total)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
     return float(re.search(r"^pdserve_request_migrations_total (\S+)$", text, re.MULTILINE).group(1))
+
+
+def pd_metric(url: str, name: str, labels: str = "") -> float:
+    """A sample of an app's /metrics, ``name{labels}`` (0 when absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.search(rf"^{name}{re.escape('{' + labels + '}') if labels else ''} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
 
 
 def sigkill(process: psutil.Process) -> None:

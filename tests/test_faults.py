@@ -33,8 +33,8 @@ from dialects.errors import APIError
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 from tests.serving import (HEALTHY_AGAIN_S, RAY_INTERNALS, REPLICA_RESTART_S, assert_nothing_held, call_replica,
-                           deploy, migrations, processes, replica_process, replicas, serve_session, sigkill, stopped,
-                           wait_until, work_done)
+                           deploy, migrations, pd_metric, processes, replica_process, replicas, serve_session, sigkill,
+                           stopped, versioned, wait_until, work_done)
 
 LONG = 800  # tokens a stream asks for: it is still running when the replica is killed (~5 s of decoding here)
 DECODE_REPLICAS = 2
@@ -49,20 +49,6 @@ def the_pd_app(decode_replicas: int = DECODE_REPLICAS) -> Application:
                              "pd_local_prefill_tokens": 0},
                             decode_options={"num_replicas": decode_replicas, "ray_actor_options": {  # fault hooks on
                                 "num_cpus": 1, "runtime_env": {"env_vars": {"PDSERVE_FAULT_HOOKS": "1"}}}}))
-
-
-def versioned(app: Application, version: str = "faults") -> Application:
-    """``app`` with every deployment at code version ``version``, as Serve gives a config file's
-    app: then a redeploy that changes only replica counts updates the app in place (a scale-down).
-    ``serve.run`` gives a Python app's deployments a random version each time (client.py:
-    ``deployment._version or get_random_string()``), and ``Deployment.options`` no longer takes
-    one, so it is set where that line reads it."""
-    deployment = app._bound_deployment
-    deployment._version = version
-    for value in [*deployment.init_args, *deployment.init_kwargs.values()]:
-        if isinstance(value, Application):
-            versioned(value, version)
-    return app
 
 
 @pytest.fixture(scope="module")
@@ -133,12 +119,15 @@ def reference_text(url: str, path: str, body: dict) -> str:
     return answer["generated_text"] if path == "/infer_token" else answer["choices"][0]["text"]
 
 
-def reference_texts(url: str) -> list[str]:
+@pytest.fixture(scope="module")
+def reference_texts(base_url) -> list[str]:
     """The text a fault-free run of each of ``bodies(False)`` gives, the four asked at once
     (batch-invariant mode, tests/conftest.py: the same texts as one at a time, as the four streams
-    under test are batched too)."""
+    under test are batched too). Asked once, before the first fault: the three tests whose streams
+    run ``bodies(True)`` compare with it (the same requests to the same app; each asked again
+    after its fault was 4 x LONG tokens more to decode, ~6 s a test alone on two cores)."""
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        return list(pool.map(lambda pb: reference_text(url, *pb), bodies(False)))
+        return list(pool.map(lambda pb: reference_text(base_url, *pb), bodies(False)))
 
 
 def test_each_failure_maps_to_a_status_a_client_can_act_on():
@@ -207,7 +196,7 @@ def test_the_engine_figures_on_metrics_are_every_replicas_summed(base_url):
 
 
 @pytest.mark.slow
-def test_decode_replica_killed_mid_stream_every_stream_completes(base_url):
+def test_decode_replica_killed_mid_stream_every_stream_completes(base_url, reference_texts):
     before_kill = migrations(base_url)
     replicas = decode_replicas()
     assert len(replicas) == DECODE_REPLICAS
@@ -219,12 +208,13 @@ def test_decode_replica_killed_mid_stream_every_stream_completes(base_url):
     assert migrations(base_url) > before_kill  # streams were on the killed replica, and moved
     assert killed not in decode_replicas()
     # No token lost or repeated: each text is the one a fault-free run of the same request gives.
-    assert streamed == reference_texts(base_url)
+    assert streamed == reference_texts
     serving_resumes(base_url, killed)
 
 
 @pytest.mark.slow
-def test_decode_replica_stopped_mid_stream_its_streams_move_and_complete_while_it_stays_stopped(base_url):
+def test_decode_replica_stopped_mid_stream_its_streams_move_and_complete_while_it_stays_stopped(base_url,
+                                                                                            reference_texts):
     """SIGSTOP kills nothing, so Ray reports nothing: the ingress must notice the silence (no token,
     no heartbeat for STALL_TIMEOUT_S), move the streams to the other D, and keep the migrated
     requests off the stopped one (else each would wait out a KV lease there and move again)."""
@@ -240,9 +230,10 @@ def test_decode_replica_stopped_mid_stream_its_streams_move_and_complete_while_i
             moved = migrations(base_url) - before
         assert frozen.is_running()  # stopped, never killed: only the ingress's watch could see it
     assert 0 < moved <= len(texts)  # each stream on the stopped D moved once, to the live one
-    assert streamed == reference_texts(base_url)
+    assert streamed == reference_texts
     # Running again, the stopped D learns its calls were cancelled and frees what they held.
     assert_nothing_held(["DecodeServer"], "pd", 120)
+    eventually_ok(base_url)
 
 
 def serving_resumes(url: str, killed: str, role: str = "DecodeServer", count: int = DECODE_REPLICAS) -> None:
@@ -319,13 +310,6 @@ def test_prefill_killed_after_its_reply_before_decode_fetched_the_kv(base_url):
     # The ingress, too, has the new P before the next test: a request it routed to the dead P would
     # spend one of its migrations there (the KV-lease test below counts them).
     serving_resumes(base_url, killed, "PrefillServer", 1)
-
-
-def pd_metric(url: str, name: str, labels: str = "") -> float:
-    """A sample of the PD app's /metrics (0 when absent)."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    found = re.search(rf"^{name}{re.escape('{' + labels + '}') if labels else ''} (\S+)$", text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
 
 
 def served_by_p_alone(url: str) -> float:
@@ -530,7 +514,7 @@ HANG_S = 10  # D's steps held while Serve starts the drain (below step_timeout_s
 
 
 @pytest.mark.slow
-def test_decode_scaled_down_mid_stream_its_streams_move_with_their_kv(base_url):
+def test_decode_scaled_down_mid_stream_its_streams_move_with_their_kv(base_url, reference_texts):
     """Last (it leaves one D): "pd" redeployed with one D replica of two while four streams run on
     both. Serve drains one; it hands each running request (KV, tokens so far, sampler state) to the
     other, which goes on from it: every stream completes unbroken with the fault-free text (greedy
@@ -565,7 +549,7 @@ def test_decode_scaled_down_mid_stream_its_streams_move_with_their_kv(base_url):
     assert pd_metric(base_url, "pdserve_kv_moves", 'event="failed"') == 0
     assert pd_metric(base_url, "pdserve_kv_moves", 'event="bytes"') > 0
     assert migrations(base_url) == before["migrations"]  # moved, not replayed
-    assert streamed == reference_texts(base_url)
+    assert streamed == reference_texts
     def states() -> dict[str, int]:
         return {state: n for state, n in serve.status().applications["pd"].deployments["DecodeServer"]
                 .replica_states.items() if n}
@@ -573,3 +557,4 @@ def test_decode_scaled_down_mid_stream_its_streams_move_with_their_kv(base_url):
     assert wait_until(lambda: states() == {"RUNNING": 1}, REPLICA_RESTART_S, 0.5), states()  # the drained D ended
     assert decode_replicas() == {kept}
     assert_nothing_held(["PrefillServer", "DecodeServer"], "pd", 120)
+    eventually_ok(base_url)  # serving goes on with the one D
