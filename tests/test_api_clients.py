@@ -32,8 +32,11 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 @pytest.fixture(scope="module")
 def base_url():
     with serve_session() as url:
+        # stall_timeout_s: these are the clients' tests, not the stall watch's (test_faults, test_stalls): in a
+        # full run the other worker starts whole Ray clusters beside this app, and a replica that takes a
+        # call after 5 s there was taken for stalled three times, a 503 that aiperf counted as an error.
         deploy({"pd": pd_app({"torch_threads": 1, "max_iter_times": CAP, "dtype": "float32",
-                              "pd_local_prefill_tokens": 0})}, {"pd": "/"})
+                              "pd_local_prefill_tokens": 0, "stall_timeout_s": 30})}, {"pd": "/"})
         yield url
 
 

@@ -119,15 +119,20 @@ def reference_text(url: str, path: str, body: dict) -> str:
     return answer["generated_text"] if path == "/infer_token" else answer["choices"][0]["text"]
 
 
-@pytest.fixture(scope="module")
-def reference_texts(base_url) -> list[str]:
+def fault_free_texts(url: str) -> list[str]:
     """The text a fault-free run of each of ``bodies(False)`` gives, the four asked at once
     (batch-invariant mode, tests/conftest.py: the same texts as one at a time, as the four streams
-    under test are batched too). Asked once, before the first fault: the three tests whose streams
-    run ``bodies(True)`` compare with it (the same requests to the same app; each asked again
-    after its fault was 4 x LONG tokens more to decode, ~6 s a test alone on two cores)."""
+    under test are batched too)."""
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        return list(pool.map(lambda pb: reference_text(base_url, *pb), bodies(False)))
+        return list(pool.map(lambda pb: reference_text(url, *pb), bodies(False)))
+
+
+@pytest.fixture(scope="module")
+def reference_texts(base_url) -> list[str]:
+    """``fault_free_texts``, asked once, before the first fault: the three tests whose streams run
+    ``bodies(True)`` compare with it (the same requests to the same app; each asked again after its
+    fault was 4 x LONG tokens more to decode, ~6 s a test alone on two cores)."""
+    return fault_free_texts(base_url)
 
 
 def test_each_failure_maps_to_a_status_a_client_can_act_on():

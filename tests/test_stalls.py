@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from tests.serving import (HEALTHY_AGAIN_S, RAY_INTERNALS, REPLICA_RESTART_S, assert_nothing_held, call_replica,
                            deploy, migrations, processes, replica_process, replicas, serve_session, sigkill, stopped,
                            wait_until, work_done)
-from tests.test_faults import LONG, reference_texts, streams_running
+from tests.test_faults import LONG, fault_free_texts, streams_running
 
 APP = "stalls"
 STALL_TIMEOUT_S = 3
@@ -135,7 +135,7 @@ def test_a_stopped_prefill_replica_its_requests_and_new_ones_complete_on_the_oth
 
 @pytest.mark.slow
 def test_a_step_that_does_not_end_its_replica_is_replaced_and_its_streams_move_and_complete(base_url):
-    expected = reference_texts(base_url)  # fault-free, batched together
+    expected = fault_free_texts(base_url)  # fault-free, batched together
     before = migrations(base_url)
     with streams_running(base_url) as (texts, fault_done):
         serving = {name: call_replica(name, "holdings")["streams"] for name in replicas("DecodeServer", APP)}
