@@ -292,6 +292,11 @@ def migrations(url: str) -> float:
     return float(re.search(r"^pdserve_request_migrations_total (\S+)$", text, re.MULTILINE).group(1))
 
 
+def healthy(url: str) -> bool:
+    """Whether the app at ``url`` answers /health "ok": serving with every role, not degraded."""
+    return httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok"
+
+
 def pd_metric(url: str, name: str, labels: str = "") -> float:
     """A sample of an app's /metrics, ``name{labels}`` (0 when absent)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text

@@ -33,8 +33,8 @@ from dialects.errors import APIError
 from engine.request import GenerationRequest
 from sampling import SamplingParams
 from tests.serving import (HEALTHY_AGAIN_S, RAY_INTERNALS, REPLICA_RESTART_S, assert_nothing_held, call_replica,
-                           deploy, migrations, pd_metric, processes, replica_process, replicas, serve_session, sigkill,
-                           stopped, versioned, wait_until, work_done)
+                           deploy, healthy, migrations, pd_metric, processes, replica_process, replicas, serve_session,
+                           sigkill, stopped, versioned, wait_until, work_done)
 
 LONG = 800  # tokens a stream asks for: it is still running when the replica is killed (~5 s of decoding here)
 DECODE_REPLICAS = 2
@@ -253,7 +253,7 @@ def serving_resumes(url: str, killed: str, role: str = "DecodeServer", count: in
     eventually_ok(url)
     # ... and the ingress reaches both roles again (its router may learn of the new replica later than
     # Serve's status says it runs: meanwhile it serves with one role, and a request succeeds anyway).
-    assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok", HEALTHY_AGAIN_S, 0.5)
+    assert wait_until(lambda: healthy(url), HEALTHY_AGAIN_S, 0.5)
 
 
 def eventually_ok(url: str) -> None:
@@ -367,7 +367,7 @@ def test_no_decode_replica_answering_p_serves_alone_then_pd_comes_back(base_url)
     assert migrations(base_url) == migrated_before + 1  # the waiting one moved, once
     assert served_by_p_alone(base_url) == alone_before + 9
     # D runs again: it answers the probes, /health is ok again, and new requests go through P then D.
-    assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).json()["status"] == "ok", HEALTHY_AGAIN_S, 0.5)
+    assert wait_until(lambda: healthy(base_url), HEALTHY_AGAIN_S, 0.5)
     alone = served_by_p_alone(base_url)
     assert reference_text(base_url, path, degraded_body(0)) == references[0]
     assert served_by_p_alone(base_url) == alone
@@ -409,7 +409,7 @@ def test_no_prefill_replica_answering_d_serves_alone_then_pd_comes_back(base_url
     assert work_done("DecodeServer", "pd")["prompt_tokens_computed"] >= computed_before + DEGRADED_PROMPT  # for D
     assert served_by_d_alone(base_url) == alone_before + 9  # P was stopped throughout: each ended on D alone
     # P runs again: it answers the probes, /health is ok again, and new requests go through P then D.
-    assert wait_until(lambda: httpx.get(f"{base_url}/health", timeout=30).json()["status"] == "ok", HEALTHY_AGAIN_S, 0.5)
+    assert wait_until(lambda: healthy(base_url), HEALTHY_AGAIN_S, 0.5)
     assert reference_text(base_url, path, degraded_body(9)) == waited.json()["generated_text"]
     assert served_by_d_alone(base_url) == alone_before + 9
     assert_nothing_held(["PrefillServer", "DecodeServer"], "pd", 120)

@@ -15,8 +15,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest
 from sampling import SamplingParams
-from tests.serving import (HEALTHY_AGAIN_S, assert_nothing_held, deploy, element_size, holdings, migrations,
-                           serve_session, sse_events, wait_until)
+from tests.serving import (HEALTHY_AGAIN_S, assert_nothing_held, deploy, element_size, healthy, holdings,
+                           migrations, serve_session, sse_events, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,7 @@ def base_url():
         # Serve's RUNNING is not yet PD: an ingress that has not seen its D answer serves on P alone
         # (pd_degrade_to_prefill), and a conversation served so sends no KV (a full run saw it: 0 bytes).
         for name in apps:
-            assert wait_until(lambda: httpx.get(f"{url}/{name}/health", timeout=30).json()["status"] == "ok",
-                              HEALTHY_AGAIN_S, 0.5), name
+            assert wait_until(lambda: healthy(f"{url}/{name}"), HEALTHY_AGAIN_S, 0.5), name
         yield url
 
 
