@@ -329,7 +329,11 @@ def test_aiperf_profile_succeeds_and_reports_latencies(base_url, tmp_path):
                "--tokenizer", str(ensure_tiny_model()), "--prompt-input-tokens-mean", "20", "--prompt-output-tokens-mean", "8",
                "--output-artifact-dir", str(tmp_path), "--no-auto-plot", "--random-seed", "1",
                # A random model may sample EOS first: an answer with no text, which aiperf counts as an error.
-               "--extra-inputs", "ignore_eos:true"]
+               "--extra-inputs", "ignore_eos:true",
+               # One worker and one record processor, no UI, no metrics or GPU scrapes: fewer processes to
+               # start on two cores (8 requests need no more; 21-25 s -> 18 s alone, benchmarks/RESULTS.md)
+               "--workers-max", "1", "--record-processor-service-count", "1", "--ui-type", "none",
+               "--no-server-metrics", "--no-gpu-telemetry"]
     # aiperf 0.13 in HF offline mode reads a local tokenizer path as a hub id and fails; the
     # path is local, so nothing is fetched without it either.
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}

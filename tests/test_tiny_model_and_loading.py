@@ -92,3 +92,24 @@ def test_decode_refuses_kv_of_another_model(model_dirs):
     prefill = p_engine.prefill([request])["x"].prefill
     with pytest.raises(KVMismatchError, match="kv.model_id"):
         d_engine.add_request(request, Mode.DECODE, prefill)
+
+
+def test_the_kv_pool_is_resident_only_where_written():
+    """A CPU engine's KV pool is zero and takes memory only as its pages are written: an engine of a
+    1 GB pool holds a few MB of it after a request (every replica of an app, and every engine of
+    the suite, used to write its whole pool at start: 0.5 GB by default)."""
+    import psutil
+
+    process = psutil.Process()
+    before = process.memory_info().rss
+    engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float32", kv_cache_memory_gb=1.0))
+    pool = engine.runner.kv_cache
+    pool_bytes = pool.numel() * pool.element_size()
+    assert pool_bytes >= 0.99 * (1 << 30)
+    from engine.request import GenerationRequest
+    from sampling import SamplingParams
+
+    out = engine.generate([GenerationRequest("r", list(range(5, 40)), SamplingParams(max_new_tokens=8, temperature=0))])
+    assert out["r"].num_output_tokens == 8
+    assert process.memory_info().rss - before < pool_bytes / 3  # the model, warm-up and first imports included (~180 MB)
+    assert pool[:, :, -1024:].count_nonzero() == 0  # slots nobody wrote read 0

@@ -9,6 +9,7 @@ imported KV and makes the block copies of copy-on-write.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import mmap
 import os
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,17 @@ def _check_device_memory(device: torch.device, shape: tuple[int, ...], dtype: to
                          f"which has {free / (1 << 30):.2f} GiB free of {total / (1 << 30):.2f} GiB")
 
 
+def zeroed_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The KV pool, every element 0. On the CPU it lies in a private anonymous mapping: the kernel
+    hands its pages out zeroed, each only when first written, so a replica holds in memory the part
+    of its pool it has used (a few MB of the default 0.5 GB for short prompts), not the whole pool
+    from the start as ``torch.zeros`` (which writes every page) would."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
+
+
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     """Blocks in the pool: ``num_blocks``, or as many as ``kv_cache_memory_gb`` holds."""
     if config.num_blocks is not None:
@@ -112,7 +124,7 @@ class ModelRunner:
         # [layers, k/v, slots, kv_heads, head_dim], allocated once.
         shape = (spec.num_layers, 2, blocks.num_blocks * blocks.block_size, spec.num_kv_heads, spec.head_dim)
         _check_device_memory(self.device, shape, loaded.dtype)
-        self.kv_cache = torch.zeros(shape, dtype=loaded.dtype, device=self.device)
+        self.kv_cache = zeroed_kv_pool(shape, loaded.dtype, self.device)
         self.sampler = Sampler(self.device, spec.vocab_size, config.top_k_guess, config.sampler_backend)
         self.windows = set(spec.layer_windows)
         self.batch_invariant = config.batch_invariant
