@@ -76,7 +76,9 @@ def test_p_and_d_on_their_nodes_and_output_matches_colocated(cluster, url, app):
 def test_prefill_killed_after_its_reply_d_still_reads_the_shared_memory_kv(url):
     """tests/test_faults.py's P-killed test on the shared-memory transport, across raylets: P
     answers, its process is SIGKILLed and gone, then D on the other raylet maps P's segment."""
-    args = AppArgs(kv_transport="shared_memory")
+    # A stall bound of 30 s: the claim is D's read of a dead P's KV, not the stall watch (test_stalls); a
+    # full run starves this 3-node cluster's D for > 5 s at times, which the default took for a stall.
+    args = AppArgs(kv_transport="shared_memory", stall_timeout_s=30)
     backend = PDBackend(serve.get_deployment_handle("PrefillServer", "pd_shm"),
                         serve.get_deployment_handle("DecodeServer", "pd_shm"), args.kv_lease_s,
                         args.stall_timeout_s, args.disaggregation, make_kv_connector(args.kv_transport))
