@@ -44,12 +44,11 @@ class ProcessorInputs:
     repetition: torch.Tensor  # [H] float32, 1.0 = off (exactly the identity)
     presence: torch.Tensor  # [H] float32, 0.0 = off
     frequency: torch.Tensor  # [H] float32, 0.0 = off
-    # The penalties work on the ids a row has seen, not on all V logits: each row's ids padded with
-    # one of its own (a pad's write equals its id's real one), so that a scatter back is exact.
-    context_ids: torch.Tensor  # [H, L] int64: the real prompt tokens and output tokens (repetition penalty)
-    has_context: torch.Tensor  # [H] bool: some id in context_ids (else they are all pads, written unchanged)
-    output_ids: torch.Tensor  # [H, Lo] int64: the output tokens (presence and frequency penalties)
-    in_output: torch.Tensor  # [H, Lo] bool: not a pad (counted)
+    # The penalties work on the ids a row has seen, not on all V logits: each row's distinct ids padded
+    # with one of its own (a pad's write equals its id's real one), so that a scatter back is exact.
+    seen_ids: torch.Tensor  # [H, U] int64: the distinct real prompt tokens and output tokens
+    has_context: torch.Tensor  # [H] bool: some id in seen_ids (else they are all pads, written unchanged)
+    seen_counts: torch.Tensor  # [H, U] float32: how often each id occurs in the output (a pad: its id's)
     min_new_rows: torch.Tensor  # [M] int64: one entry per (row short of min_new_tokens, its end id)
     min_new_ids: torch.Tensor  # [M] int64
     list_rows: list[ListRow]
@@ -61,10 +60,10 @@ class ProcessorInputs:
             return None
         bias = [(i, token, value) for i, row in enumerate(rows) for token, value in row.params.logit_bias.items()]
         penalised = [i for i, row in enumerate(rows) if uses_penalties(row.params)]
-        context_ids, has_context = padded_ids([rows[i].prompt_ids + rows[i].output_ids for i in penalised])
-        output_ids, _ = padded_ids([rows[i].output_ids for i in penalised])
-        outputs = torch.tensor([len(rows[i].output_ids) for i in penalised], dtype=torch.int64)
-        in_output = torch.arange(output_ids.shape[1]) < outputs[:, None]
+        seen = [_seen(rows[i].prompt_ids, rows[i].output_ids) for i in penalised]
+        seen_ids, has_context = padded_ids([list(counts) for counts in seen])
+        seen_counts = torch.tensor([[counts.get(t, 0) for t in ids] for counts, ids in zip(seen, seen_ids.tolist())],
+                                   dtype=torch.float32).reshape(seen_ids.shape)
         short = [(i, eos) for i, row in enumerate(rows) if len(row.output_ids) < row.params.min_new_tokens
                  for eos in row.eos_token_ids]
         list_rows = [ListRow(i, row.prompt_ids + row.output_ids, row.params.no_repeat_ngram_size,
@@ -77,7 +76,7 @@ class ProcessorInputs:
             torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
             torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
             torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
-            context_ids, has_context, output_ids, in_output,
+            seen_ids, has_context, seen_counts,
             *_columns(short, 2, (torch.int64, torch.int64)),
             list_rows,
         )
@@ -95,6 +94,14 @@ def padded_ids(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     width = max([1] + [len(s) for s in sequences])
     ids = torch.tensor([s + [s[0] if s else 0] * (width - len(s)) for s in sequences], dtype=torch.int64)
     return ids.reshape(len(sequences), width), torch.tensor([bool(s) for s in sequences], dtype=torch.bool)
+
+
+def _seen(prompt: list[int], output: list[int]) -> dict[int, int]:
+    """Each distinct id of ``prompt`` + ``output``, in order of first appearance -> its count in ``output``."""
+    counts = dict.fromkeys(prompt, 0)
+    for token in output:
+        counts[token] = counts.get(token, 0) + 1
+    return counts
 
 
 def _columns(entries: list[tuple], width: int, dtypes: tuple) -> list[torch.Tensor]:
@@ -145,21 +152,20 @@ def apply_all(logits: torch.Tensor, inputs: ProcessorInputs) -> None:
 def apply_penalties(logits: torch.Tensor, inputs: ProcessorInputs) -> None:
     """transformers' RepetitionPenaltyLogitsProcessor over prompt and output, then OpenAI's
     logit -= frequency * count + presence * (count > 0) over the output: each on the logits of
-    the ids a row has seen ([H, L] gathers and scatters), never on all V (a select over [H, V]
-    cost ~100 µs at V = 1,024 on the 2-core box). Every write of one id computes the same value
-    from its logit, so repeated ids and pads scatter exactly. A row's off penalty (1.0; 0.0)
-    changes none of its logits: x * 1, x / 1 and x - 0 are x."""
+    the distinct ids a row has seen ([H, U] gathers and scatters), never on all V (a select over
+    [H, V] cost ~100 µs at V = 1,024 on the 2-core box). A pad writes the value its id's real
+    entry writes, so the scatters are exact. An id of the prompt alone has count 0: x - 0 is x. A
+    row's off penalty (1.0; 0.0) changes none of its logits: x * 1, x / 1 and x - 0 are x."""
     index = inputs.penalty_rows
     sub = logits[index]  # [H, V]
-    ids = inputs.context_ids
+    ids = inputs.seen_ids
     values = sub.gather(1, ids)
     penalty = inputs.repetition.to(logits.dtype)[:, None]
     penalised = torch.where(values < 0, values * penalty, values / penalty)
-    sub.scatter_(1, ids, torch.where(inputs.has_context[:, None], penalised, values))
-    ids = inputs.output_ids
-    counts = torch.zeros_like(sub).scatter_add_(1, ids, inputs.in_output.to(sub.dtype)).gather(1, ids)  # [H, Lo]
+    penalised = torch.where(inputs.has_context[:, None], penalised, values)
+    counts = inputs.seen_counts.to(sub.dtype)
     delta = inputs.frequency[:, None] * counts + inputs.presence[:, None] * (counts > 0).to(counts.dtype)
-    sub.scatter_(1, ids, sub.gather(1, ids) - delta)
+    sub.scatter_(1, ids, penalised - delta)
     logits[index] = sub
 
 
