@@ -65,9 +65,15 @@ def seen_counts(rows: PersistentBatch, seq: Sequence) -> dict[int, int] | None:
     r = rows.controls.seen_of[seq.row]
     if r == NONE:
         return None
-    ids, _, counts = rows.controls.seen.inputs(np.array([r]))
-    n = rows.controls.seen.num_seen[r]
-    return dict(zip(ids[0, :n].tolist(), counts[0, :n].astype(int).tolist()))
+    seen = rows.controls.seen
+    n = seen.num_seen[r]
+    ids, _, delta = seen.inputs(np.array([r]))
+    p = seq.params  # the step's penalties read the kept delta of each id: the count's, padded with the first's
+    assert np.array_equal(delta[0], seen.delta[r, :delta.shape[1]])
+    assert delta[0, :n].tolist() == (np.float32(p.frequency_penalty) * seen.counts[r, :n] + np.float32(
+        p.presence_penalty) * (seen.counts[r, :n] > 0).astype(np.float32)).tolist()
+    assert set(ids[0, n:].tolist()) <= {ids[0, 0]} and set(delta[0, n:].tolist()) <= {delta[0, 0]}
+    return dict(zip(seen.ids[r, :n].tolist(), seen.counts[r, :n].astype(int).tolist()))
 
 
 def counted_afresh(rows: PersistentBatch, seq: Sequence) -> dict[int, int] | None:
@@ -261,12 +267,13 @@ def test_the_seen_counts_follow_preemption_resume_fork_and_a_rewritten_token():
     for token in (6, 10):
         step([token, token])
     scheduler.remove(seq)
-    plain = Sequence(GenerationRequest("t", [11, 12], SamplingParams(frequency_penalty=1.0)), 2, 1, Mode.GENERATE,
+    wide = list(range(11, 31))  # more distinct ids than the rows held: every row's pads widen with them
+    plain = Sequence(GenerationRequest("t", wide, SamplingParams(frequency_penalty=1.0)), 2, 1, Mode.GENERATE,
                      time.time() + 60)
     plain.eos_token_ids = [2]
     scheduler.add(plain)  # takes the counter row seq left: none of seq's ids stay in it
     step([8, 8])
-    assert seen_counts(rows, plain) == {11: 0, 12: 0, 8: 1}
+    assert seen_counts(rows, plain) == {**dict.fromkeys(wide, 0), 8: 1}
 
 
 def test_decode_step_gathers_equal_the_sequences():

@@ -7,7 +7,7 @@ it joins and one position per appended token. A row asking for a penalty also ge
 token), which is all the penalties read at a step. A row's logit bias is kept as entries of one
 sparse table (slot, token id, value), written when it joins and dropped when it leaves. A decode
 step's ``ProcessorInputs`` (sampling/processors.py) are then gathers of these arrays by its slots:
-the distinct ids each penalty row has seen and their counts ([H, U]), the bias's (row, id, value)
+the distinct ids each penalty row has seen and their penalties ([H, U]), the bias's (row, id, value)
 list, with no loop over the rows (but the n-gram and bad-word bans, row by row over the rows that
 ask for them, as on the per-row path).
 Rows that ask for none have no entry anywhere and cost nothing.
@@ -74,7 +74,9 @@ class ProcessorColumns:
             self._fit(len(seq.token_ids))
             self.history[h, :len(seq.token_ids)] = seq.token_ids
         if uses_penalties(seq.params):
-            self.seen_of[slot] = self.seen.join(self.history[h, :len(seq.token_ids)], seq.num_prompt_tokens)
+            p = seq.params
+            self.seen_of[slot] = self.seen.join(self.history[h, :len(seq.token_ids)], seq.num_prompt_tokens,
+                                                p.presence_penalty, p.frequency_penalty)
         bias = seq.params.logit_bias
         if bias:
             self.bias_slots = np.concatenate([self.bias_slots, np.full(len(bias), slot, dtype=np.int64)])
@@ -156,7 +158,7 @@ class ProcessorColumns:
         bias = self._bias(slots)
         outputs = num_tokens - num_prompt
         penalised = np.flatnonzero((penalties != (1.0, 0.0, 0.0)).any(1))
-        seen_ids, has_context, seen_counts = self.seen.inputs(self.seen_of[slots[penalised]])
+        seen_ids, has_context, seen_delta = self.seen.inputs(self.seen_of[slots[penalised]])
         short = [(i, eos) for i in np.flatnonzero(outputs < min_new).tolist() for eos in seqs[slots[i]].eos_token_ids]
         list_rows = []
         for i in np.flatnonzero(list_bans).tolist():
@@ -167,7 +169,7 @@ class ProcessorColumns:
         values = torch.from_numpy(penalties[penalised])
         return ProcessorInputs(
             *bias, torch.from_numpy(penalised), values[:, 0], values[:, 1], values[:, 2],
-            torch.from_numpy(seen_ids), torch.from_numpy(has_context), torch.from_numpy(seen_counts),
+            torch.from_numpy(seen_ids), torch.from_numpy(has_context), torch.from_numpy(seen_delta),
             torch.tensor([i for i, _ in short], dtype=torch.int64),
             torch.tensor([e for _, e in short], dtype=torch.int64),
             list_rows)
