@@ -18,13 +18,14 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.execution.persistent_batch import NO_ROW, PersistentBatch
+from engine.execution.processor_columns import NONE
 from engine import llm_engine
 from engine.llm_engine import LLMEngine
 from engine.lora_adapter import LoraAdapter
 from engine.request import GenerationRequest, Mode, PendingChoice, Sequence
 from engine.scheduler import ScheduledBatch, Scheduler
 from sampling import SamplingParams, SamplingRow
-from sampling.processors import ProcessorInputs, apply_all
+from sampling.processors import ProcessorInputs, apply_all, uses_penalties
 
 BLOCK = 4
 
@@ -47,6 +48,7 @@ def assert_matches_rebuild(rows: PersistentBatch, running: list[Sequence]) -> No
         mine = rows.controls.bias_slots == seq.row
         assert dict(zip(rows.controls.bias_ids[mine].tolist(), rows.controls.bias_values[mine].tolist())) == {
             token: np.float32(value) for token, value in seq.params.logit_bias.items()}, seq.key
+        assert seen_counts(rows, seq) == counted_afresh(rows, seq), seq.key
         table = rows.tables[seq.row]
         assert rows.table_len[seq.row] == len(seq.block_table)
         assert table[:len(seq.block_table)].tolist() == seq.block_table, seq.key
@@ -55,6 +57,30 @@ def assert_matches_rebuild(rows: PersistentBatch, running: list[Sequence]) -> No
     assert all(rows.seqs[slot] is None for slot in range(rows.capacity) if slot not in taken)
     assert set(rows.controls.bias_slots.tolist()) <= taken
     assert rows.controls.num_histories == sum(rows.controls.needs_history(seq) for seq in running)
+
+
+def seen_counts(rows: PersistentBatch, seq: Sequence) -> dict[int, int] | None:
+    """The distinct ids ``seq``'s counter row holds (engine/execution/seen_ids.py) -> their output
+    counts; None when it keeps none."""
+    r = rows.controls.seen_of[seq.row]
+    if r == NONE:
+        return None
+    seen = rows.controls.seen
+    n = seen.num_seen[r]
+    ids, _, delta = seen.inputs(np.array([r]))
+    p = seq.params  # the step's penalties read the kept delta of each id: the count's, padded with the first's
+    assert np.array_equal(delta[0], seen.delta[r, :delta.shape[1]])
+    assert delta[0, :n].tolist() == (np.float32(p.frequency_penalty) * seen.counts[r, :n] + np.float32(
+        p.presence_penalty) * (seen.counts[r, :n] > 0).astype(np.float32)).tolist()
+    assert set(ids[0, n:].tolist()) <= {ids[0, 0]} and set(delta[0, n:].tolist()) <= {delta[0, 0]}
+    return dict(zip(seen.ids[r, :n].tolist(), seen.counts[r, :n].astype(int).tolist()))
+
+
+def counted_afresh(rows: PersistentBatch, seq: Sequence) -> dict[int, int] | None:
+    """What ``seen_counts`` holds for ``seq``, counted from its tokens (None: it asks for no penalty)."""
+    if not uses_penalties(seq.params):
+        return None
+    return {t: seq.output_ids.count(t) for t in seq.token_ids if t < rows.vocab_size}
 
 
 def scheduled(batch: ScheduledBatch) -> tuple:
@@ -184,6 +210,70 @@ def test_processor_inputs_from_the_columns_equal_those_from_the_rows():
         else:
             rows.append_tokens(slots, tokens)
     assert changed >= 40, "most rows were meant to ask for some control"
+
+
+def test_the_seen_counts_follow_preemption_resume_fork_and_a_rewritten_token():
+    """A penalised row's running counts (kept per appended token, not re-read from its context)
+    after decode steps, a preemption and its resume, a fork, a token rewritten in place and a slot's
+    counter row taken by another request: each equals its tokens counted afresh, and the penalties
+    change the logits as the per-row path's."""
+    vocab = 50
+    blocks = BlockManager(num_blocks=40, block_size=BLOCK)
+    scheduler = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64, rows=PersistentBatch(2, 40, vocab))
+    rows = scheduler.rows
+    params = SamplingParams(max_new_tokens=40, repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.25)
+    seq = Sequence(GenerationRequest("s", [5, 6, 5, vocab + 2, 7], params), 1, 0, Mode.GENERATE, time.time() + 60)
+    seq.eos_token_ids = [2]
+    scheduler.add(seq)
+
+    def step(tokens: list[int]) -> None:
+        batch = scheduler.schedule()
+        scheduler.commit(batch)
+        running = [s for s, due in zip((s for s, _ in batch.entries), batch.sampling) if due]
+        for s, token in zip(running, tokens):
+            s.token_ids.append(token)
+        if batch.decode_only:
+            rows.append_tokens(batch.slots, np.array(tokens[:len(running)]))
+        else:
+            for s in running:
+                rows.write_token(s)
+        check()
+
+    def check() -> None:
+        assert_matches_rebuild(rows, scheduler.running)
+        running = sorted(scheduler.running, key=lambda s: s.row)
+        logits = torch.randn(len(running), vocab, generator=torch.Generator().manual_seed(len(seq.token_ids))) * 3
+        from_columns, from_rows = logits.clone(), logits.clone()
+        apply_all(from_columns, rows.sampling_columns(np.array([s.row for s in running])).processors)
+        apply_all(from_rows, ProcessorInputs.from_rows([
+            SamplingRow(s.params, s.seed, [t for t in s.prompt_ids if t < vocab], s.output_ids, s.eos_token_ids)
+            for s in running]))
+        assert torch.equal(from_columns, from_rows)
+
+    for token in (8, 5, 8, 9):
+        step([token, token])
+    assert seen_counts(rows, seq) == {5: 1, 6: 0, 7: 0, 8: 2, 9: 1}
+    scheduler._preempt(seq, ScheduledBatch())  # its slot and counter row given back, its tokens kept
+    step([8, 8])  # resumed: joined again, counted from its whole context
+    assert seen_counts(rows, seq) == {5: 1, 6: 0, 7: 0, 8: 3, 9: 1}
+    child = scheduler.fork(seq, PendingChoice(1, 7))
+    child.token_ids.append(6)
+    rows.write_token(child)
+    check()
+    seq.token_ids[-1] = 10  # the same position written again: its count moves, not a second token's
+    rows.write_token(seq)
+    check()
+    assert seen_counts(rows, seq) == {5: 1, 6: 0, 7: 0, 8: 2, 9: 1, 10: 1}
+    for token in (6, 10):
+        step([token, token])
+    scheduler.remove(seq)
+    wide = list(range(11, 31))  # more distinct ids than the rows held: every row's pads widen with them
+    plain = Sequence(GenerationRequest("t", wide, SamplingParams(frequency_penalty=1.0)), 2, 1, Mode.GENERATE,
+                     time.time() + 60)
+    plain.eos_token_ids = [2]
+    scheduler.add(plain)  # takes the counter row seq left: none of seq's ids stay in it
+    step([8, 8])
+    assert seen_counts(rows, plain) == {**dict.fromkeys(wide, 0), 8: 1}
 
 
 def test_decode_step_gathers_equal_the_sequences():

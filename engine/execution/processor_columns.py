@@ -1,12 +1,15 @@
-"""The persistent batch's ragged sampling controls: token histories and the logit-bias table.
+"""The persistent batch's ragged sampling controls: token histories, seen ids and the logit-bias table.
 
 A row asking for a penalty or a ban reads its own context (prompt + output): those rows, and only
 those, get a history row, ``history[h, i]`` = the sequence's ``token_ids[i]``, written in full when
-it joins and one position per appended token. A row's logit bias is kept as entries of one sparse
-table (slot, token id, value), written when it joins and dropped when it leaves. A decode step's
-``ProcessorInputs`` (sampling/processors.py) are then gathers of these arrays by its slots: the ids
-each penalty row has seen ([H, L]), the bias's (row, id, value) list, with no loop over the rows (but
-the n-gram and bad-word bans, row by row over the rows that ask for them, as on the per-row path).
+it joins and one position per appended token. A row asking for a penalty also gets a counter row
+(engine/execution/seen_ids.py: its distinct ids and their output counts, updated by each appended
+token), which is all the penalties read at a step. A row's logit bias is kept as entries of one
+sparse table (slot, token id, value), written when it joins and dropped when it leaves. A decode
+step's ``ProcessorInputs`` (sampling/processors.py) are then gathers of these arrays by its slots:
+the distinct ids each penalty row has seen and their penalties ([H, U]), the bias's (row, id, value)
+list, with no loop over the rows (but the n-gram and bad-word bans, row by row over the rows that
+ask for them, as on the per-row path).
 Rows that ask for none have no entry anywhere and cost nothing.
 
     controls.join(slot, seq) / controls.leave(slot)
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.execution.seen_ids import SeenIds
 from sampling.processors import ListRow, ProcessorInputs, bans, uses_list_bans, uses_penalties
 
 if TYPE_CHECKING:  # the batch's sequences, read only
@@ -38,6 +42,8 @@ class ProcessorColumns:
         self.history_of = np.full(capacity, NONE, dtype=np.int64)  # [slots]: the slot's history row
         self.history = np.zeros((0, 16), dtype=np.int64)  # [history rows, width]: token ids by position
         self._free_history: list[int] = []
+        self.seen_of = np.full(capacity, NONE, dtype=np.int64)  # [slots]: the slot's row in ``seen``
+        self.seen = SeenIds(vocab_size)  # a penalised row's distinct ids and output counts
         # The logit-bias table: one entry per (slot, biased token id), [B] each.
         self.bias_slots = np.zeros(0, dtype=np.int64)
         self.bias_ids = np.zeros(0, dtype=np.int64)
@@ -47,6 +53,7 @@ class ProcessorColumns:
         """Room for ``capacity`` slots (the persistent batch grew)."""
         extra = capacity - len(self.history_of)
         self.history_of = np.concatenate([self.history_of, np.full(extra, NONE, dtype=np.int64)])
+        self.seen_of = np.concatenate([self.seen_of, np.full(extra, NONE, dtype=np.int64)])
 
     @property
     def num_histories(self) -> int:
@@ -66,6 +73,10 @@ class ProcessorColumns:
             self.history_of[slot] = h
             self._fit(len(seq.token_ids))
             self.history[h, :len(seq.token_ids)] = seq.token_ids
+        if uses_penalties(seq.params):
+            p = seq.params
+            self.seen_of[slot] = self.seen.join(self.history[h, :len(seq.token_ids)], seq.num_prompt_tokens,
+                                                p.presence_penalty, p.frequency_penalty)
         bias = seq.params.logit_bias
         if bias:
             self.bias_slots = np.concatenate([self.bias_slots, np.full(len(bias), slot, dtype=np.int64)])
@@ -78,6 +89,10 @@ class ProcessorColumns:
         if h != NONE:
             self._free_history.append(int(h))
             self.history_of[slot] = NONE
+        r = self.seen_of[slot]
+        if r != NONE:
+            self.seen.leave(int(r))
+            self.seen_of[slot] = NONE
         if self.bias_slots.size:
             kept = self.bias_slots != slot
             self.bias_slots, self.bias_ids, self.bias_values = (
@@ -89,6 +104,7 @@ class ProcessorColumns:
         if h != NONE:
             self._fit(num_tokens)
             self.history[h, num_tokens - 1] = token
+            self._count(np.array([slot]), np.array([num_tokens]), np.array([token]))
 
     def append_tokens(self, slots: np.ndarray, num_tokens: np.ndarray, tokens: np.ndarray) -> None:
         """``tokens`` [R] appended to ``slots`` [R], their sequences now ``num_tokens`` [R] long."""
@@ -100,6 +116,19 @@ class ProcessorColumns:
             lengths = num_tokens[kept]
             self._fit(int(lengths.max()))
             self.history[history_rows[kept], lengths - 1] = tokens[kept]
+            self._count(slots[kept], lengths, tokens[kept])
+
+    def _count(self, slots: np.ndarray, num_tokens: np.ndarray, tokens: np.ndarray) -> None:
+        """``seen``'s rows of ``slots`` [R] (those that have one) take their appended ``tokens`` [R]; a row
+        whose token was not its next position (a rewrite) is counted afresh from its history."""
+        rs = self.seen_of[slots]
+        counted = rs != NONE
+        if not counted.any():
+            return
+        rs, num_tokens = rs[counted], num_tokens[counted]
+        stale = self.seen.append(rs, num_tokens, tokens[counted])
+        for r, slot, n in zip(rs[stale].tolist(), slots[counted][stale].tolist(), num_tokens[stale].tolist()):
+            self.seen.rebuild(r, self.history[self.history_of[slot], :n])
 
     def history_tokens(self, slot: int, num_tokens: int) -> list[int] | None:
         """``slot``'s history (its sequence's first ``num_tokens`` ids), None when it keeps none."""
@@ -129,8 +158,7 @@ class ProcessorColumns:
         bias = self._bias(slots)
         outputs = num_tokens - num_prompt
         penalised = np.flatnonzero((penalties != (1.0, 0.0, 0.0)).any(1))
-        context_ids, has_context, output_ids, in_output = self._seen_ids(
-            self.history_of[slots[penalised]], num_tokens[penalised], num_prompt[penalised])
+        seen_ids, has_context, seen_delta = self.seen.inputs(self.seen_of[slots[penalised]])
         short = [(i, eos) for i in np.flatnonzero(outputs < min_new).tolist() for eos in seqs[slots[i]].eos_token_ids]
         list_rows = []
         for i in np.flatnonzero(list_bans).tolist():
@@ -141,30 +169,10 @@ class ProcessorColumns:
         values = torch.from_numpy(penalties[penalised])
         return ProcessorInputs(
             *bias, torch.from_numpy(penalised), values[:, 0], values[:, 1], values[:, 2],
-            torch.from_numpy(context_ids), torch.from_numpy(has_context), torch.from_numpy(output_ids),
-            torch.from_numpy(in_output),
+            torch.from_numpy(seen_ids), torch.from_numpy(has_context), torch.from_numpy(seen_delta),
             torch.tensor([i for i, _ in short], dtype=torch.int64),
             torch.tensor([e for _, e in short], dtype=torch.int64),
             list_rows)
-
-    def _seen_ids(self, history_rows: np.ndarray, lengths: np.ndarray, num_prompt: np.ndarray
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """For the rows of ``history_rows`` [H] (their sequences ``lengths`` [H] long, ``num_prompt`` [H]
-        of them the prompt's): ``ProcessorInputs``' context_ids [H, L], has_context [H], output_ids
-        [H, Lo] and in_output [H, Lo], each row's ids padded with its first one (as ``padded_ids``)."""
-        width = max(1, int(lengths.max()) if len(lengths) else 1)
-        history = self.history[history_rows, :width]  # [H, L]
-        in_context = (np.arange(width) < lengths[:, None]) & (history < self.vocab_size)  # the prompt's real tokens
-        has_context = in_context.any(1)
-        first = np.where(has_context, history[np.arange(len(history)), in_context.argmax(1)], 0)
-        context_ids = np.where(in_context, history, first[:, None])
-        outputs = lengths - num_prompt
-        out_width = max(1, int(outputs.max()) if len(outputs) else 1)
-        positions = np.minimum(num_prompt[:, None] + np.arange(out_width), history.shape[1] - 1)
-        output_history = np.take_along_axis(history, positions, 1)  # [H, Lo]
-        in_output = np.arange(out_width) < outputs[:, None]
-        first = np.where(outputs > 0, output_history[:, 0], 0)
-        return context_ids, has_context, np.where(in_output, output_history, first[:, None]), in_output
 
     def _bias(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows [B] int64, token ids [B] int64, values [B] float32): the bias entries of ``slots``' rows."""
