@@ -76,11 +76,15 @@ def _norms_in(loaded: LoadedModel, dtype: torch.dtype) -> bool:
     return all(m.weight.dtype == dtype for m in loaded.model.modules() if isinstance(m, RMSNorm))
 
 
+def _tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
 def _check_device_memory(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """On CUDA, refuse a KV pool larger than the device's free memory, saying both."""
     if device.type != "cuda":
         return
-    asked = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    asked = _tensor_bytes(shape, dtype)
     free, total = torch.cuda.mem_get_info(device)
     if asked > free:
         raise ValueError(f"kv_cache_memory_gb / num_blocks: the KV pool needs {asked / (1 << 30):.2f} GiB on {device}, "
@@ -94,8 +98,7 @@ def zeroed_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     from the start as ``torch.zeros`` (which writes every page) would."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, _tensor_bytes(shape, dtype), flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
 
 
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
