@@ -106,10 +106,13 @@ def test_the_kv_pool_is_resident_only_where_written():
     pool = engine.runner.kv_cache
     pool_bytes = pool.numel() * pool.element_size()
     assert pool_bytes >= 0.99 * (1 << 30)
+    from engine.execution.model_runner import KV_POOL_MAPPING
     from engine.request import GenerationRequest
     from sampling import SamplingParams
 
     out = engine.generate([GenerationRequest("r", list(range(5, 40)), SamplingParams(max_new_tokens=8, temperature=0))])
     assert out["r"].num_output_tokens == 8
     assert process.memory_info().rss - before < pool_bytes / 3  # the model, warm-up and first imports included (~180 MB)
+    # the pool is a mapping of its own, by name: what a request touched is resident, not the rest
+    assert 0 < sum(m.rss for m in process.memory_maps() if KV_POOL_MAPPING in m.path) < pool_bytes / 100
     assert pool[:, :, -1024:].count_nonzero() == 0  # slots nobody wrote read 0

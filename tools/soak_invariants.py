@@ -11,7 +11,9 @@ holds once the load has drained. Each check returns its violations, named; none 
 - ``no_raw_internals``: no error body or error event names Ray, a pid, an address or a traceback.
 - ``replicas_hold_nothing``: every P, D (or colocated) replica holds no block, prefix, request or stream.
 - ``object_store_at_baseline``: Ray's object store is back to its bytes before the load.
-- ``rss_growth_bounded``: each process's RSS after its warm-up grew at most ``RSS_GROWTH_BOUND``.
+- ``rss_growth_bounded``: each process's RSS outside its KV pool (a bound the user set, resident as
+  traffic touches it: engine/execution/model_runner.py ``zeroed_kv_pool``) after its warm-up grew at
+  most ``RSS_GROWTH_BOUND``.
 - ``faults_proven``: each injected fault has its proof.
 - ``no_false_degradation``: PD never fell back to one role alone (no P, or no D, replica answering
   the ingress's probes, as /metrics said) outside a fault on that role and ``DEGRADATION_GRACE_S``

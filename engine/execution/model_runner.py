@@ -91,14 +91,29 @@ def _check_device_memory(device: torch.device, shape: tuple[int, ...], dtype: to
                          f"which has {free / (1 << 30):.2f} GiB free of {total / (1 << 30):.2f} GiB")
 
 
+KV_POOL_MAPPING = "pdserve-kv-pool"  # the CPU pool's name in /proc/<pid>/maps: "/memfd:pdserve-kv-pool (deleted)"
+
+
 def zeroed_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The KV pool, every element 0. On the CPU it lies in a private anonymous mapping: the kernel
-    hands its pages out zeroed, each only when first written, so a replica holds in memory the part
-    of its pool it has used (a few MB of the default 0.5 GB for short prompts), not the whole pool
-    from the start as ``torch.zeros`` (which writes every page) would."""
+    """The KV pool, every element 0. On the CPU it lies in a mapping of its own, named
+    ``KV_POOL_MAPPING`` (a memfd): the kernel hands its pages out zeroed, each only when first
+    touched, so a replica holds in memory the part of its pool it has used (a few MB of the default
+    0.5 GB for short prompts), not the whole pool from the start as ``torch.zeros`` (which writes
+    every page) would. The name lets a process's memory be read as its pool's (which grows up to
+    the pool's size as traffic touches blocks, the bound a user set) and the rest (where a leak
+    would show: tools/soak_invariants.py)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, _tensor_bytes(shape, dtype), flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
+    size = _tensor_bytes(shape, dtype)
+    if not hasattr(os, "memfd_create"):  # not Linux: an anonymous mapping, the same pages without a name
+        return torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
+    fd = os.memfd_create(KV_POOL_MAPPING)
+    try:
+        os.ftruncate(fd, size)
+        pool = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)  # the mapping keeps the memory; it is freed with the tensor
+    return torch.frombuffer(pool, dtype=dtype).view(shape)
 
 
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
