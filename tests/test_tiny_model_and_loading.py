@@ -114,5 +114,6 @@ def test_the_kv_pool_is_resident_only_where_written():
     assert out["r"].num_output_tokens == 8
     assert process.memory_info().rss - before < pool_bytes / 3  # the model, warm-up and first imports included (~180 MB)
     # the pool is a mapping of its own, by name: what a request touched is resident, not the rest
-    assert 0 < sum(m.rss for m in process.memory_maps() if KV_POOL_MAPPING in m.path) < pool_bytes / 100
+    # (< 5%: 8 touched regions of 4 layers x K, V stay < 51 MB even in 2 MB pages where shmem uses them)
+    assert 0 < sum(m.rss for m in process.memory_maps() if KV_POOL_MAPPING in m.path) < pool_bytes / 20
     assert pool[:, :, -1024:].count_nonzero() == 0  # slots nobody wrote read 0
