@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "native", "ascend")
 
 
-# Rows of a 16-bit [R, V] that ``greedy`` widens to float32 at a time: up to 2**20 values (4 MiB).
-GREEDY_CHUNK_VALUES = 1 << 20
+# Rows of a 16-bit [R, V] that ``greedy`` widens to float32 at a time: up to 2**21 values (8 MiB; a
+# block over 32 MiB, glibc's largest mmap threshold, is mapped afresh each time: see greedy).
+GREEDY_CHUNK_VALUES = 1 << 21
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

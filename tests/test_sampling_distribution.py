@@ -157,7 +157,7 @@ def test_an_all_greedy_bfloat16_batch_takes_the_float32_argmax_without_widening_
     from sampling.sampler import GREEDY_CHUNK_VALUES
 
     vocab = 4096
-    rows = 3 * GREEDY_CHUNK_VALUES // vocab + 5  # chunks of 256 rows: three full, one not
+    rows = 3 * GREEDY_CHUNK_VALUES // vocab + 5  # three full chunks and one not
     logits = torch.randn(rows, vocab + 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     logits[0, 10] = logits[0, 700] = logits[0].max() + 1.0  # a tie: the first wins
     logits[1] = -float("inf")
