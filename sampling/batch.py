@@ -154,3 +154,10 @@ class SamplingBatch:
     @property
     def num_rows(self) -> int:
         return len(self.temperature)
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the sampler reads nothing of the logits but each row's argmax: every row greedy,
+        none scaled, masked, processed or asking for logprobs."""
+        return (not self.sampled_rows.numel() and not self.draft_rows.numel() and not self.scales_temperature
+                and self.token_bitmask is None and self.processors is None and self.max_logprobs is None)

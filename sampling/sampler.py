@@ -44,13 +44,28 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "native", "ascend")
 
 
+# Rows of a 16-bit [R, V] that ``greedy`` widens to float32 at a time: up to 2**21 values (8 MiB; a
+# block over 32 MiB, glibc's largest mmap threshold, is mapped afresh each time: see greedy).
+GREEDY_CHUNK_VALUES = 1 << 21
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """[R] int64: each row's argmax of ``logits`` [R, V], the first index of the maximum (a NaN
-    counts as the maximum). On the CPU through numpy, whose argmax is vectorised (torch's took
-    1.4-1.7 ms for [32, 49152] here, numpy's 0.24: benchmarks/RESULTS.md); the same index."""
+    counts as the maximum), as it is in float32. On the CPU through numpy, whose argmax is vectorised
+    (torch's took 1.4-1.7 ms for [32, 49152] here, numpy's 0.24: benchmarks/RESULTS.md); the same index.
+    A 16-bit ``logits`` is widened (exactly) a few rows at a time: a float32 copy of all of it, 50 MB
+    at [256, 49152], came in fresh pages at every step (glibc maps a block that large anew each time),
+    and with the argmax took 26-33 ms on the 2-core EPYC against 2-3 ms in chunks (benchmarks/RESULTS.md,
+    issue 51 session 9)."""
     if logits.device.type != "cpu":
-        return logits.argmax(-1)
-    return torch.from_numpy(np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False))
+        return logits.float().argmax(-1)
+    if logits.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False))
+    ids = np.empty(logits.shape[0], dtype=np.int64)
+    rows = max(1, GREEDY_CHUNK_VALUES // max(1, logits.shape[1]))
+    for start in range(0, logits.shape[0], rows):
+        ids[start:start + rows] = np.argmax(logits[start:start + rows].float().numpy(), axis=-1)
+    return torch.from_numpy(ids)
 
 
 class Sampler:
@@ -85,7 +100,10 @@ class Sampler:
         Changes ``logits`` in place when it is float32 (processors, temperature, min-p), as
         vLLM's sampler does: the caller hands over a tensor it does not use again.
         """
-        logits = logits[:, : self.vocab_size].float()  # the same tensor when already float32
+        logits = logits[:, : self.vocab_size]
+        if batch.argmax_only:  # nothing reads the logits but the argmax: no float32 copy of them all
+            return self._output(greedy(logits), None, batch)
+        logits = logits.float()  # the same tensor when already float32
         if batch.token_bitmask is not None:
             rows = batch.grammar_rows
             allowed = allowed_tokens(batch.token_bitmask, self.vocab_size)  # [Rc, V]

@@ -148,6 +148,45 @@ def test_greedy_rows_take_torchs_argmax_ties_nan_and_masked_rows_included():
     assert greedy(logits)[:3].tolist() == [10, 0, 40]
 
 
+def test_an_all_greedy_bfloat16_batch_takes_the_float32_argmax_without_widening_all_its_logits():
+    """A batch that reads only the argmax (every row greedy, no controls, no logprobs) of 16-bit
+    logits gets the argmax of their float32 values (ties, NaN and a masked row included) and never
+    holds a float32 copy of all of them: one came in fresh pages at every step (issue 51, session 9)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sampling.sampler import GREEDY_CHUNK_VALUES
+
+    vocab = 4096
+    rows = 3 * GREEDY_CHUNK_VALUES // vocab + 5  # three full chunks and one not
+    logits = torch.randn(rows, vocab + 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    logits[0, 10] = logits[0, 700] = logits[0].max() + 1.0  # a tie: the first wins
+    logits[1] = -float("inf")
+    logits[rows - 1, 40] = logits[rows - 1, 50] = float("nan")
+    expected = logits[:, :vocab].float().argmax(-1).tolist()
+
+    class Float32Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+                self.largest = max(self.largest, out.numel())
+            return out
+
+    batch = batch_of([SamplingParams(temperature=0.0)] * rows, vocab)
+    assert batch.argmax_only
+    with Float32Sizes() as sizes:
+        out = Sampler(torch.device("cpu"), vocab)(logits, batch)
+    assert out.token_ids == expected and out.token_ids[:2] == [10, 0] and out.token_ids[-1] == 40
+    assert out.logprobs == [None] * rows
+    assert 0 < sizes.largest <= GREEDY_CHUNK_VALUES
+    assert not batch_of([SamplingParams(temperature=0.0, logprobs=1)], vocab).argmax_only
+    assert not batch_of([SamplingParams(temperature=0.0, repetition_penalty=1.1)], vocab).argmax_only
+    assert not batch_of([SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)], vocab).argmax_only
+
+
 # ---- boundaries random data rarely meets (survivors of `make mutants`, docs/testing.md) -------
 
 def test_top_k_at_its_bounds_keeps_exactly_k():
