@@ -57,8 +57,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     at [256, 49152], came in fresh pages at every step (glibc maps a block that large anew each time),
     and with the argmax took 26-33 ms on the 2-core EPYC against 2-3 ms in chunks (benchmarks/RESULTS.md,
     issue 51 session 9)."""
-    if logits.device.type != "cpu":
-        return logits.float().argmax(-1)
+    if logits.device.type != "cpu":  # torch's argmax of a 16-bit tensor is its float32 one's: no copy
+        return logits.argmax(-1)
     if logits.dtype == torch.float32:
         return torch.from_numpy(np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False))
     ids = np.empty(logits.shape[0], dtype=np.int64)

@@ -106,7 +106,7 @@ def test_the_kv_pool_is_resident_only_where_written():
     pool = engine.runner.kv_cache
     pool_bytes = pool.numel() * pool.element_size()
     assert pool_bytes >= 0.99 * (1 << 30)
-    from engine.execution.model_runner import KV_POOL_MAPPING
+    from engine.execution.model_runner import kv_pool_resident_bytes
     from engine.request import GenerationRequest
     from sampling import SamplingParams
 
@@ -115,5 +115,5 @@ def test_the_kv_pool_is_resident_only_where_written():
     assert process.memory_info().rss - before < pool_bytes / 3  # the model, warm-up and first imports included (~180 MB)
     # the pool is a mapping of its own, by name: what a request touched is resident, not the rest
     # (< 5%: 8 touched regions of 4 layers x K, V stay < 51 MB even in 2 MB pages where shmem uses them)
-    assert 0 < sum(m.rss for m in process.memory_maps() if KV_POOL_MAPPING in m.path) < pool_bytes / 20
+    assert 0 < kv_pool_resident_bytes(process) < pool_bytes / 20
     assert pool[:, :, -1024:].count_nonzero() == 0  # slots nobody wrote read 0

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from engine.execution.model_runner import KV_POOL_MAPPING  # noqa: E402
+from engine.execution.model_runner import kv_pool_resident_bytes  # noqa: E402
 from tools.soak_faults import FaultInjector, kinds, roles  # noqa: E402
 from tools.soak_invariants import RSS_GROWTH_BOUND, check, outcome, reference_key, rss_growth  # noqa: E402
 from tools.soak_mix import Record, Work, hostile, pool, reference, send  # noqa: E402
@@ -193,7 +193,7 @@ class Soak:
         for role in ("Ingress", *roles(self.app_kind)):
             for process in processes(role, self.app):
                 try:  # the KV pool's pages count apart: they grow up to the pool's size as traffic touches blocks
-                    rss = process.memory_info().rss - sum(m.rss for m in process.memory_maps() if KV_POOL_MAPPING in m.path)
+                    rss = process.memory_info().rss - kv_pool_resident_bytes(process)
                 except psutil.Error:
                     continue  # killed meanwhile
                 self.rss.setdefault(f"{role}:{process.pid}", []).append((round(time.monotonic() - self.t0, 1), rss))

@@ -94,6 +94,12 @@ def _check_device_memory(device: torch.device, shape: tuple[int, ...], dtype: to
 KV_POOL_MAPPING = "pdserve-kv-pool"  # the CPU pool's name in /proc/<pid>/maps: "/memfd:pdserve-kv-pool (deleted)"
 
 
+def kv_pool_resident_bytes(process) -> int:
+    """The bytes of ``process``'s (a ``psutil.Process``) CPU KV pools now resident: what its traffic
+    has touched of them, which a reading of the process's memory for leaks leaves out."""
+    return sum(m.rss for m in process.memory_maps() if KV_POOL_MAPPING in m.path)
+
+
 def zeroed_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The KV pool, every element 0. On the CPU it lies in a mapping of its own, named
     ``KV_POOL_MAPPING`` (a memfd): the kernel hands its pages out zeroed, each only when first
